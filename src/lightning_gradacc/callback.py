@@ -1,0 +1,393 @@
+"""GradientAccumulationCallback: the Lightning shell around :class:`~lightning_gradacc.core.GradAccumulator`.
+
+It decides *when* (which hook, which micro-batch, which rank); the core computes *what*. See
+``ARCHITECTURE.md`` section 3 for the Lightning internals relied on here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback, GradientAccumulationScheduler
+from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
+from pytorch_lightning.utilities.data import extract_batch_size
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from .core import GradAccumulator
+from .core.validation import (
+    check_item_count,
+    check_norm_type,
+    check_optional_positive_float,
+    check_overflow,
+    check_scaling,
+)
+from .schedule import AccumulationPlan
+from .stats import AccumulationStats
+
+_STATE_VERSION = 1
+ItemCountFn = Callable[[Any], "int | Tensor"]
+
+
+class GradientAccumulationCallback(Callback):
+    """Exact, observable gradient accumulation for automatic optimization.
+
+    It owns ``Trainer.accumulate_grad_batches`` and fixes what the built-in gets wrong: the last, partial
+    window of an epoch is divided by the micro-batches actually run (the built-in divides by K), and
+    ``scaling="weighted"`` weights each micro-batch by its items (e.g. non-padding tokens) across
+    micro-batches and ranks. It also detects non-finite gradients once per step, clips the final gradient
+    once, and logs what happened in each window under ``grad_accum/``.
+
+    Args:
+        accumulation_steps: K; or ``{epoch: K}`` (as Lightning's ``GradientAccumulationScheduler``);
+            ``None`` adopts ``Trainer(accumulate_grad_batches=...)``.
+        target_batch_size: Items per optimizer step over all ranks; K = ceil(target / (micro-batch size x
+            world size)), resolved when training starts. Exclusive with ``accumulation_steps``.
+        scaling: ``"mean"`` (alias ``"average"``), ``"sum"`` or ``"weighted"`` (alias ``"dynamic"``).
+        item_count_fn: ``batch -> int | Tensor``: items in a micro-batch for ``"weighted"`` (default: the
+            batch size Lightning infers). A device tensor is fine (no sync).
+        max_grad_norm: Clip the total gradient norm to this value once per optimizer step.
+        norm_type: Order of the norm (any ``p > 0``, or ``inf``).
+        clip_value: Clamp each gradient element to ``[-clip_value, clip_value]`` once per step.
+        overflow: Non-finite gradient policy: ``"skip"`` the step, ``"raise"``
+            :class:`~lightning_gradacc.GradientOverflowError`, or ``"ignore"`` (count only). Under a
+            ``GradScaler`` (``precision="16-mixed"``) the scaler skips such steps itself; they are counted.
+        log_stats: Log the statistics under ``grad_accum/`` at every optimizer step (respecting
+            ``log_every_n_steps``) to the Trainer's loggers.
+
+    Example:
+        >>> from pytorch_lightning import Trainer
+        >>> callback = GradientAccumulationCallback(4, max_grad_norm=1.0)
+        >>> trainer = Trainer(callbacks=[callback], logger=False, enable_progress_bar=False,
+        ...                   enable_model_summary=False, enable_checkpointing=False)
+        >>> callback.stats.accumulation_steps
+        4
+    """
+
+    def __init__(
+        self,
+        accumulation_steps: int | dict[int, int] | None = None,
+        *,
+        target_batch_size: int | None = None,
+        scaling: Literal["mean", "sum", "weighted", "average", "dynamic"] = "mean",
+        item_count_fn: ItemCountFn | None = None,
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+        clip_value: float | None = None,
+        overflow: Literal["skip", "raise", "ignore"] = "skip",
+        log_stats: bool = True,
+    ) -> None:
+        self.plan = AccumulationPlan(accumulation_steps, target_batch_size)
+        self.scaling = check_scaling(scaling)
+        if item_count_fn is not None:
+            if not callable(item_count_fn):
+                raise TypeError(
+                    f"Expected argument `item_count_fn` to be callable (batch -> int), but got {item_count_fn!r}."
+                )
+            if self.scaling != "weighted":
+                raise ValueError(
+                    f"Argument `item_count_fn` is only used with `scaling='weighted'`, but got"
+                    f" scaling={scaling!r}. Set `scaling='weighted'` or remove `item_count_fn`."
+                )
+        self.item_count_fn = item_count_fn
+        self.max_grad_norm = check_optional_positive_float("max_grad_norm", max_grad_norm)
+        self.norm_type = check_norm_type(norm_type)
+        self.clip_value = check_optional_positive_float("clip_value", clip_value)
+        self.overflow = check_overflow(overflow)
+        if not isinstance(log_stats, bool):
+            raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
+        self.log_stats = log_stats
+
+        self._accumulator: GradAccumulator | None = None
+        self._loaded_state: dict[str, Any] | None = None
+        self._applied_k: int | None = None  # the value this callback last wrote to the Trainer
+        self._scaler: torch.amp.GradScaler | None = None
+        self._pending_items: int | Tensor | None = None
+        self._pending_loss: Tensor | None = None
+        self._stepped = False
+        self._stashed_clip_val: float | int | None = None
+        self._skips_warned = 0
+
+    # ------------------------------------------------------------------------------------ reporting
+
+    @property
+    def stats(self) -> AccumulationStats:
+        """A frozen snapshot of the statistics (see :class:`~lightning_gradacc.AccumulationStats`)."""
+        if self._accumulator is not None:
+            return self._accumulator.stats
+        return AccumulationStats(accumulation_steps=self._applied_k or self.plan.for_epoch(0) or 1)
+
+    @property
+    def accumulator(self) -> GradAccumulator | None:
+        """The core accumulator of the current run (``None`` before training starts)."""
+        return self._accumulator
+
+    # ------------------------------------------------------------------------------------- set-up
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._check_compatibility(trainer, pl_module)
+        trainer_k = trainer.accumulate_grad_batches
+        if not self.plan.configured:
+            self.plan.fixed = trainer_k  # adopt the Trainer's value
+        elif trainer_k not in (1, self._applied_k, self.plan.fixed):
+            raise ValueError(
+                f"You have set `Trainer(accumulate_grad_batches={trainer_k})` and"
+                f" `GradientAccumulationCallback({self._describe_plan()})`. The callback owns the accumulation"
+                " factor: remove `accumulate_grad_batches` from the Trainer or set the same value."
+            )
+        self._apply_k(trainer, self.plan.for_epoch(trainer.current_epoch))
+        if trainer.gradient_clip_val and (self.max_grad_norm is not None or self.clip_value is not None):
+            rank_zero_warn(
+                f"Both `Trainer(gradient_clip_val={trainer.gradient_clip_val})` and the callback's clipping"
+                f" (max_grad_norm={self.max_grad_norm}, clip_value={self.clip_value}) are set: the gradient is"
+                " clipped twice. Remove `gradient_clip_val` from the Trainer."
+            )
+        self._scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if self._scaler is not None and self.overflow != "skip":
+            rank_zero_warn(
+                f"`overflow={self.overflow!r}` cannot take effect under a GradScaler (`precision='16-mixed'`):"
+                " the scaler skips steps with non-finite gradients and lowers its scale; those overflows are"
+                " counted in `overflow_count` and `skipped_steps`."
+            )
+
+    def _describe_plan(self) -> str:
+        if self.plan.target_batch_size is not None:
+            return f"target_batch_size={self.plan.target_batch_size}"
+        return f"accumulation_steps={self.plan.schedule or self.plan.fixed}"
+
+    def _check_compatibility(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            raise RuntimeError(
+                "`GradientAccumulationCallback` works with automatic optimization only. With"
+                " `automatic_optimization=False`, use `lightning_gradacc.GradAccumulator` in your"
+                " `training_step` (it does the same math) and remove the callback."
+            )
+        strategy = trainer.strategy
+        if strategy.handles_gradient_accumulation or "deepspeed" in type(strategy).__name__.lower():
+            raise RuntimeError(
+                f"`{type(strategy).__name__}` performs gradient accumulation itself (its config's"
+                " `gradient_accumulation_steps`). Remove `GradientAccumulationCallback` and configure"
+                " accumulation there."
+            )
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+            raise RuntimeError(
+                f"`GradientAccumulationCallback` supports single-device and DDP strategies, but the Trainer"
+                f" uses `{type(strategy).__name__}`, whose sharded gradients would give wrong norms and"
+                " scaling. Use `strategy='ddp'` or remove the callback."
+            )
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, GradientAccumulationScheduler) or (
+                type(callback).__name__ == "GradientAccumulationScheduler"
+            ):
+                raise RuntimeError(
+                    "You are using Lightning's `GradientAccumulationScheduler` and `GradientAccumulationCallback`."
+                    " Remove the scheduler and pass its schedule as"
+                    " `GradientAccumulationCallback(accumulation_steps={epoch: K})`."
+                )
+            if isinstance(callback, GradientAccumulationCallback) and callback is not self:
+                raise RuntimeError(
+                    "Two `GradientAccumulationCallback` instances were passed to the Trainer. Keep one."
+                )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.plan.target_batch_size is not None and self.plan.target_k is None:
+            self._resolve_target(trainer)
+        self._apply_k(trainer, self.plan.for_epoch(trainer.current_epoch))
+        self._build_accumulator(trainer, pl_module)
+
+    def _resolve_target(self, trainer: pl.Trainer) -> None:
+        loader = trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None) or getattr(
+            getattr(loader, "batch_sampler", None), "batch_size", None
+        )
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise RuntimeError(
+                f"`target_batch_size={self.plan.target_batch_size}` needs the micro-batch size, but the train"
+                f" dataloader ({type(loader).__name__}) has no fixed `batch_size`. Use a single DataLoader"
+                " with `batch_size=...` or set `accumulation_steps` instead."
+            )
+        k, effective = self.plan.resolve_target(batch_size, trainer.world_size)
+        if effective != self.plan.target_batch_size:
+            rank_zero_warn(
+                f"`target_batch_size={self.plan.target_batch_size}` is not a multiple of micro-batch size"
+                f" {batch_size} x {trainer.world_size} rank(s); using K={k}, an effective batch size of"
+                f" {effective}."
+            )
+
+    def _build_accumulator(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        k = trainer.accumulate_grad_batches
+        world_size = trainer.world_size
+        strategy = trainer.strategy
+
+        def all_reduce_sum(tensor: Tensor) -> Tensor:
+            return strategy.reduce(tensor, reduce_op="sum")  # type: ignore[no-any-return]
+
+        previous = self._accumulator
+        accumulator = GradAccumulator(
+            pl_module.named_parameters(),
+            k,
+            scaling=self.scaling,
+            max_grad_norm=self.max_grad_norm,
+            norm_type=self.norm_type,
+            clip_value=self.clip_value,
+            overflow=self.overflow,
+            world_size=world_size,
+            all_reduce=all_reduce_sum if world_size > 1 else None,
+        )
+        # Lifetime counters survive a second `fit()` and a resume from a checkpoint.
+        state = self._loaded_state if self._loaded_state is not None else (
+            previous.state_dict() if previous is not None else None
+        )
+        if state is not None:
+            accumulator.load_state_dict(state)
+            accumulator.accumulation_steps = k
+        self._loaded_state = None
+        self._accumulator = accumulator
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply_k(trainer, self.plan.for_epoch(trainer.current_epoch))
+
+    def _apply_k(self, trainer: pl.Trainer, k: int | None) -> None:
+        if k is None:  # target batch size not resolved yet: resolved in `on_train_start`
+            return
+        trainer.accumulate_grad_batches = k
+        self._applied_k = k
+        if self._accumulator is not None:
+            self._accumulator.accumulation_steps = k  # raises if a window were open
+
+    # --------------------------------------------------------------------------------- per micro-batch
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._stepped = False
+        if self.item_count_fn is not None:
+            self._pending_items = check_item_count(
+                self.item_count_fn(batch), f"the result of `item_count_fn` at batch {batch_idx}"
+            )
+            return
+        try:
+            self._pending_items = extract_batch_size(batch)
+        except Exception as error:
+            if self.scaling == "weighted":
+                raise RuntimeError(
+                    f"`scaling='weighted'` needs the item count of every batch, but Lightning could not infer"
+                    f" the batch size of batch {batch_idx}. Pass `item_count_fn=`."
+                ) from error
+            self._pending_items = None
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed.
+        unscaled = loss.detach() * trainer.accumulate_grad_batches
+        scale = getattr(self._scaler, "_scale", None) if self._scaler is not None else None
+        self._pending_loss = unscaled / scale if isinstance(scale, Tensor) else unscaled
+        if self.scaling == "weighted" and self._pending_items is not None:
+            weight = self._pending_items
+            loss.mul_(weight.to(loss.device, non_blocking=True) if isinstance(weight, Tensor) else weight)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._accumulator is not None
+        self._accumulator.record(self._pending_items, self._pending_loss)
+        self._pending_loss = None
+
+    # ---------------------------------------------------------------------------------------- boundary
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        assert self._accumulator is not None
+        self._stepped = True
+        stepped = self._accumulator.finalize(
+            grad_scale=1.0 / trainer.accumulate_grad_batches,
+            overflow_handled_externally=self._scaler is not None,
+        )
+        if stepped:
+            return
+        self._warn_skip(trainer)
+        # Lightning clips after this hook; clipping by value crashes on a list with no gradient at all.
+        if trainer.gradient_clip_val:
+            self._stashed_clip_val = trainer.gradient_clip_val
+            trainer.gradient_clip_val = None
+
+    def _warn_skip(self, trainer: pl.Trainer) -> None:
+        skipped = self._accumulator.stats.skipped_steps if self._accumulator is not None else 0
+        if skipped >= 2 * self._skips_warned or skipped == 1:  # 1, 2, 4, 8, ...: rate-limited
+            self._skips_warned = max(skipped, 1)
+            rank_zero_warn(
+                f"Non-finite gradient at global step {trainer.global_step}: the optimizer step was skipped"
+                f" ({skipped} skipped so far). Parameters and optimizer state are unchanged; `global_step`"
+                " and step-interval LR schedulers still advance."
+            )
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._stepped:
+            return
+        self._restore_clip_val(trainer)
+        if self.log_stats and trainer.loggers and trainer._logger_connector.should_update_logs:
+            pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1)
+
+    def metrics(self) -> dict[str, float]:
+        """The logged scalars: every statistic but ``current_step``, plus ``window_loss``."""
+        if self._accumulator is None:
+            return {}
+        logged = {
+            f"grad_accum/{name}": float(value)
+            for name, value in self._accumulator.stats.as_dict().items()
+            if name != "current_step"
+        }
+        logged["grad_accum/window_loss"] = self._accumulator.window_loss
+        return logged
+
+    def _restore_clip_val(self, trainer: pl.Trainer) -> None:
+        if self._stashed_clip_val is not None:
+            trainer.gradient_clip_val = self._stashed_clip_val
+            self._stashed_clip_val = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_clip_val(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._accumulator is not None and self._accumulator.current_step:
+            warnings.warn(
+                f"Training ended inside a window: {self._accumulator.current_step} micro-batch(es) were"
+                " back-propagated but never stepped; their gradients are discarded.",
+                stacklevel=1,
+            )
+            self._accumulator.reset(set_grads_to_none=False)
+
+    # ------------------------------------------------------------------------------------- checkpoint
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "accumulator": self._accumulator.state_dict() if self._accumulator is not None else None,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"Cannot load `GradientAccumulationCallback` state of version {state_dict.get('version')!r};"
+                f" this version reads {_STATE_VERSION}."
+            )
+        self._loaded_state = state_dict.get("accumulator")

@@ -1,0 +1,501 @@
+"""GradAccumulator: the math of one accumulation window, for any training loop.
+
+A window is the run of micro-batches between two optimizer steps. Micro-batch gradients add up in
+``.grad`` as autograd does (no extra memory); at the boundary :meth:`GradAccumulator.finalize` turns the
+sum into the gradient of one big batch (mean over the micro-batches actually run, sum, or
+item-weighted across micro-batches and data-parallel ranks), detects non-finite values and clips, in
+one fused pass, and says whether the optimizer should step.
+
+Host syncs: none while accumulating; at most one per optimizer step, and only when a decision needs it
+(``overflow="skip"`` or ``"raise"``). Counters live in a small device tensor until :attr:`stats` is read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..stats import AccumulationStats
+from .errors import GradientOverflowError
+from .kernels import clamp_, non_finite_names, scale_, total_norm
+from .memory import WindowPeakMemory
+from .validation import (
+    check_item_count,
+    check_norm_type,
+    check_optional_positive_float,
+    check_overflow,
+    check_positive_int,
+    check_scaling,
+)
+
+_STATE_VERSION = 1
+# Positions in the device ledger. Counters are summed, the rest overwritten at every step.
+_LEDGER_FIELDS = (
+    "overflow_count",
+    "skipped_steps",
+    "clip_count",
+    "last_grad_norm",
+    "max_grad_norm_seen",
+    "items_last_step",
+    "window_loss",
+    "bad_item_counts",
+)
+_OVERFLOW, _SKIPPED, _CLIPPED, _NORM, _MAX_NORM, _ITEMS, _LOSS, _BAD_ITEMS = range(len(_LEDGER_FIELDS))
+_INT_FIELDS = {"overflow_count", "skipped_steps", "clip_count", "items_last_step", "bad_item_counts"}
+
+AllReduce = Callable[[Tensor], Tensor]
+
+
+def _default_world() -> tuple[int, AllReduce | None]:
+    """World size and a sum all-reduce from ``torch.distributed`` when a process group is running."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return 1, None
+
+    def all_reduce_sum(tensor: Tensor) -> Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    return dist.get_world_size(), all_reduce_sum
+
+
+class GradAccumulator:
+    """Exact gradient accumulation over micro-batches, in place in ``.grad``.
+
+    Args:
+        parameters: The model's parameters, or ``named_parameters()`` (names appear in error messages).
+            Only those with ``requires_grad`` are tracked.
+        accumulation_steps: Micro-batches per window (K). :attr:`window_full` turns true after K records;
+            a shorter window (end of an epoch) may be finalized at any time.
+        scaling: ``"mean"`` (alias ``"average"``): mean over the micro-batches run; ``"sum"``;
+            ``"weighted"`` (alias ``"dynamic"``): weighted by the items of each micro-batch, over ranks.
+        max_grad_norm: Clip the total norm of the final gradient to this value, once per step.
+        norm_type: Order of the norm (any ``p > 0`` or ``inf``), for clipping and statistics.
+        clip_value: Clamp every element of the final gradient to ``[-clip_value, clip_value]``.
+        overflow: What to do with a non-finite gradient: ``"skip"`` the step (gradients set to None,
+            so torch optimizers change neither parameters nor state), ``"raise"``
+            :class:`GradientOverflowError`, or ``"ignore"`` (count only).
+        world_size: Data-parallel ranks whose gradients are averaged at the last backward (as DDP does).
+            ``None``: taken from ``torch.distributed`` when initialized, else 1.
+        all_reduce: Sums a small tensor over ranks in place and returns it; used once per step when
+            ``world_size > 1``. ``None``: ``torch.distributed.all_reduce``.
+        foreach: ``None`` uses fused ``torch._foreach_*`` kernels where possible; ``False`` forces the
+            per-tensor path; ``True`` raises where foreach cannot be used.
+
+    Example:
+        A complete loop with 10 micro-batches and K=4: windows of 4, 4 and a partial window of 2, each
+        normalized by the micro-batches it really had.
+
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Linear(3, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> accumulator = GradAccumulator(model.named_parameters(), accumulation_steps=4, max_grad_norm=1.0)
+        >>> batches = [(torch.randn(8, 3), torch.randn(8, 1)) for _ in range(10)]
+        >>> for index, (x, y) in enumerate(batches):
+        ...     loss = torch.nn.functional.mse_loss(model(x), y)
+        ...     accumulator.backward(loss, items=len(x))
+        ...     if accumulator.window_full or index == len(batches) - 1:
+        ...         if accumulator.finalize():
+        ...             optimizer.step()
+        ...         optimizer.zero_grad()
+        >>> stats = accumulator.stats
+        >>> stats.optimizer_steps, stats.micro_batches_last_step, stats.items_last_step
+        (3, 2, 16)
+    """
+
+    def __init__(
+        self,
+        parameters: Iterable[Tensor] | Iterable[tuple[str, Tensor]],
+        accumulation_steps: int = 1,
+        *,
+        scaling: str = "mean",
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+        clip_value: float | None = None,
+        overflow: str = "skip",
+        world_size: int | None = None,
+        all_reduce: AllReduce | None = None,
+        foreach: bool | None = None,
+    ) -> None:
+        self._accumulation_steps = check_positive_int("accumulation_steps", accumulation_steps)
+        self.scaling = check_scaling(scaling)
+        self.max_grad_norm = check_optional_positive_float("max_grad_norm", max_grad_norm)
+        self.norm_type = check_norm_type(norm_type)
+        self.clip_value = check_optional_positive_float("clip_value", clip_value)
+        self.overflow = check_overflow(overflow)
+        if world_size is not None:
+            check_positive_int("world_size", world_size)
+        self._world_size = world_size
+        self._all_reduce = all_reduce
+        self.foreach = foreach
+        self._named = self._trainable(parameters)
+        if not self._named:
+            raise ValueError("Expected argument `parameters` to hold at least one parameter with requires_grad.")
+        self.device = self._named[0][1].device
+        self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self._memory = WindowPeakMemory(self.device)
+        # Lifetime counters kept on the host (they never depend on tensor values).
+        self._optimizer_steps = 0
+        self._total_micro_batches = 0
+        self._micro_batches_last_step = 0
+        self._peak_memory_bytes = 0
+        # Value-dependent counters: a device tensor, mirrored on the host after each sync.
+        self._ledger: Tensor | None = None
+        self._host_ledger: list[float] = [0.0] * len(_LEDGER_FIELDS)
+        self._host_ledger_fresh = True
+        self._open_window()
+
+    @staticmethod
+    def _trainable(parameters: Iterable[Tensor] | Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+        named: list[tuple[str, Tensor]] = []
+        for index, entry in enumerate(parameters):
+            name, param = entry if isinstance(entry, tuple) else (f"param_{index}", entry)
+            if not isinstance(param, Tensor):
+                raise TypeError(f"Expected argument `parameters` to hold tensors, but got {type(param).__name__}.")
+            if param.requires_grad:
+                named.append((name, param))
+        return named
+
+    # ----------------------------------------------------------------------------------------- window
+
+    def _open_window(self) -> None:
+        self._micro_batches = 0
+        self._items_host = 0
+        self._items_device: Tensor | None = None
+        self._min_items_device: Tensor | None = None
+        self._loss_sum: Tensor | float = 0.0
+        self._loss_weight: Tensor | float = 0.0
+        self._memory.start()
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per window (K). It can change only between windows."""
+        return self._accumulation_steps
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, value: int) -> None:
+        check_positive_int("accumulation_steps", value)
+        if value != self._accumulation_steps and self._micro_batches:
+            raise RuntimeError(
+                f"Cannot change `accumulation_steps` from {self._accumulation_steps} to {value} inside an open"
+                f" window ({self._micro_batches} micro-batches recorded). Change it after `finalize()`."
+            )
+        self._accumulation_steps = value
+
+    @property
+    def current_step(self) -> int:
+        """Micro-batches recorded in the open window."""
+        return self._micro_batches
+
+    @property
+    def window_full(self) -> bool:
+        """Whether K micro-batches have been recorded, so the window should be finalized."""
+        return self._micro_batches >= self._accumulation_steps
+
+    @property
+    def parameters(self) -> list[Tensor]:
+        """The trainable parameters tracked."""
+        return [param for _, param in self._named]
+
+    def loss_weight(self, items: int | Tensor | None) -> int | Tensor:
+        """The factor a micro-batch's loss must be multiplied by before ``backward``.
+
+        ``items`` for ``scaling="weighted"`` (the loss is a mean over its items, so this makes it their
+        sum), else 1.
+
+        Example:
+            >>> GradAccumulator([torch.zeros(1, requires_grad=True)], scaling="weighted").loss_weight(7)
+            7
+        """
+        if self.scaling != "weighted":
+            return 1
+        if items is None:
+            raise ValueError("`scaling='weighted'` needs the item count of every micro-batch (`items=`).")
+        return check_item_count(items, "argument `items`")
+
+    def backward(self, loss: Tensor, items: int | Tensor | None = None) -> None:
+        """Back-propagate one micro-batch's loss (a mean over its items) with the right weight, and record it."""
+        weight = self.loss_weight(items)
+        (loss * weight if not isinstance(weight, int) or weight != 1 else loss).backward()
+        self.record(items, loss.detach())
+
+    def record(self, items: int | Tensor | None = None, loss: Tensor | float | None = None) -> None:
+        """Count a micro-batch whose gradient has been added to ``.grad``.
+
+        The backward pass must have used ``loss * loss_weight(items)``. Never syncs with the device.
+
+        Args:
+            items: Samples or tokens in the micro-batch (int or integer scalar tensor). Required for
+                ``"weighted"``; elsewhere only used for statistics.
+            loss: The micro-batch's unweighted loss, for ``window_loss`` in the statistics.
+        """
+        if items is not None:
+            items = check_item_count(items, "argument `items`")
+        elif self.scaling == "weighted":
+            raise ValueError("`scaling='weighted'` needs the item count of every micro-batch (`items=`).")
+        if isinstance(items, Tensor):
+            counted = items.to(torch.int64)
+            self._items_device = counted if self._items_device is None else self._items_device + counted
+            self._min_items_device = (
+                counted if self._min_items_device is None else torch.minimum(self._min_items_device, counted)
+            )
+        elif items is not None:
+            self._items_host += items
+        if loss is not None:
+            weight: int | Tensor = 1 if items is None else items
+            if isinstance(loss, Tensor):
+                if isinstance(weight, Tensor):
+                    weight = weight.to(loss.device, non_blocking=True)
+                contribution: Tensor | float = loss.detach().to(self._ledger_dtype) * weight
+            else:
+                contribution = float(loss) * weight if not isinstance(weight, Tensor) else weight * float(loss)
+            self._loss_sum = self._loss_sum + contribution
+            self._loss_weight = self._loss_weight + weight
+        self._micro_batches += 1
+        self._total_micro_batches += 1
+
+    # ---------------------------------------------------------------------------------------- boundary
+
+    def _world(self) -> tuple[int, AllReduce | None]:
+        if self._world_size is not None:
+            return self._world_size, self._all_reduce
+        return _default_world()
+
+    def _scalar(self, value: Tensor | float) -> Tensor:
+        """A scalar on the ledger device, created by a fill kernel (no host-to-device copy)."""
+        if isinstance(value, Tensor):
+            return value.to(device=self.device, dtype=self._ledger_dtype, non_blocking=True)
+        return torch.full((), float(value), dtype=self._ledger_dtype, device=self.device)
+
+    def finalize(self, *, grad_scale: float = 1.0, overflow_handled_externally: bool = False) -> bool:
+        """Turn the window's summed gradients into the final gradient, in place; close the window.
+
+        Args:
+            grad_scale: The factor every micro-batch's loss was multiplied by besides
+                :meth:`loss_weight` (Lightning divides each loss by K: pass ``1 / K``).
+            overflow_handled_externally: A ``GradScaler`` will skip the step itself when the gradient is
+                not finite: count the overflow and the skip, but neither drop gradients nor raise.
+
+        Returns:
+            Whether the optimizer should step. ``False`` only for a skipped non-finite window, whose
+            gradients have been set to ``None``.
+
+        Raises:
+            GradientOverflowError: ``overflow="raise"`` and the gradient is not finite.
+        """
+        if self._micro_batches == 0:
+            raise RuntimeError("`finalize()` was called, but no micro-batch was recorded in this window.")
+        named = [(name, param.grad) for name, param in self._named if param.grad is not None]
+        for name, grad in named:
+            if grad.is_sparse:
+                raise TypeError(f"Sparse gradients are not supported (parameter `{name}`).")
+        grads = [grad for _, grad in named]
+        world_size, all_reduce = self._world()
+
+        items, loss_sum, loss_weight = self._window_totals(world_size, all_reduce)
+        factor = self._normalization(items, grad_scale, world_size)
+        raw_norm = total_norm(grads, self.norm_type, device=self.device, foreach=self.foreach)
+        norm = raw_norm.to(self._ledger_dtype) * factor
+        finite = torch.isfinite(norm)
+        multiplier: Tensor | float = factor
+        clipped = torch.zeros((), dtype=torch.bool, device=self.device)
+        if self.max_grad_norm is not None:
+            coefficient = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            clipped = coefficient < 1.0
+            multiplier = coefficient * factor
+        if self.clip_value is not None:
+            raw_max = raw_norm if self.norm_type == math.inf else total_norm(
+                grads, math.inf, device=self.device, foreach=self.foreach
+            )
+            clipped = clipped | (raw_max.to(self._ledger_dtype) * multiplier > self.clip_value)
+        clipped = clipped & finite
+
+        nonfinite = (~finite).to(self._ledger_dtype)
+        skips = overflow_handled_externally or self.overflow == "skip"
+        bad_items = (
+            (self._min_items_device < 1).to(self._ledger_dtype)
+            if self._min_items_device is not None
+            else self._scalar(0.0)
+        )
+        self._update_ledger(
+            nonfinite=nonfinite,
+            skipped=nonfinite if skips else torch.zeros_like(nonfinite),
+            clipped=clipped.to(self._ledger_dtype),
+            norm=norm,
+            items=items,
+            window_loss=loss_sum / loss_weight if isinstance(loss_weight, Tensor) or loss_weight else math.nan,
+            bad_items=bad_items,
+        )
+        k = self._micro_batches
+        self._micro_batches_last_step = k
+        step = self._optimizer_steps
+        self._optimizer_steps += 1
+        self._peak_memory_bytes = self._memory.read()
+        self._open_window()
+
+        if not overflow_handled_externally and self.overflow in ("skip", "raise"):
+            if not self._sync(finite):  # the one host sync of this step: the decision needs it
+                if self.overflow == "raise":
+                    raise GradientOverflowError(step, non_finite_names(named))
+                for _, param in self._named:
+                    param.grad = None
+                return False
+        scale_(grads, multiplier, foreach=self.foreach)
+        if self.clip_value is not None:
+            clamp_(grads, self.clip_value, foreach=self.foreach)
+        return True
+
+    def step(self, optimizer: torch.optim.Optimizer, *, force: bool = False) -> bool:
+        """Finalize and step ``optimizer`` when the window is full (or ``force``), then zero gradients.
+
+        Returns:
+            Whether the optimizer stepped.
+        """
+        if not (self.window_full or (force and self._micro_batches)):
+            return False
+        stepped = self.finalize()
+        if stepped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return stepped
+
+    def _window_totals(
+        self, world_size: int, all_reduce: AllReduce | None
+    ) -> tuple[Tensor | float, Tensor | float, Tensor | float]:
+        """Items, loss sum and loss weight of the window, summed over ranks (one small all-reduce)."""
+        items: Tensor | float = float(self._items_host)
+        if self._items_device is not None:
+            items = self._scalar(self._items_device) + self._items_host
+        if world_size == 1 or all_reduce is None:
+            return items, self._loss_sum, self._loss_weight
+        packed = torch.stack([self._scalar(items), self._scalar(self._loss_sum), self._scalar(self._loss_weight)])
+        packed = all_reduce(packed)
+        return packed[0], packed[1], packed[2]
+
+    def _normalization(self, items: Tensor | float, grad_scale: float, world_size: int) -> Tensor | float:
+        """The factor that turns ``.grad`` into the contract's gradient (see ARCHITECTURE.md section 2)."""
+        if self.scaling == "mean":
+            return 1.0 / (self._micro_batches * grad_scale)
+        if self.scaling == "sum":
+            return 1.0 / grad_scale
+        # weighted: .grad holds (1/R) * sum_r sum_i n_ri g_ri * grad_scale after DDP's averaging
+        if isinstance(items, Tensor):
+            return world_size / (grad_scale * items.clamp(min=1))
+        return world_size / (grad_scale * max(items, 1.0))
+
+    def _update_ledger(self, **step: Tensor | float) -> None:
+        if self._ledger is None:
+            if any(self._host_ledger):
+                self._ledger = torch.tensor(self._host_ledger, dtype=self._ledger_dtype, device=self.device)
+            else:
+                self._ledger = torch.zeros(len(_LEDGER_FIELDS), dtype=self._ledger_dtype, device=self.device)
+        old = self._ledger
+        values = {key: self._scalar(value) for key, value in step.items()}
+        finite_norm = torch.where(torch.isfinite(values["norm"]), values["norm"], 0.0)
+        self._ledger = torch.stack(
+            [
+                old[_OVERFLOW] + values["nonfinite"],
+                old[_SKIPPED] + values["skipped"],
+                old[_CLIPPED] + values["clipped"],
+                values["norm"],
+                torch.maximum(old[_MAX_NORM], finite_norm),
+                values["items"],
+                values["window_loss"],
+                old[_BAD_ITEMS] + values["bad_items"],
+            ]
+        )
+        self._host_ledger_fresh = False
+
+    def _sync(self, flag: Tensor | None = None) -> bool:
+        """Copy the ledger (and ``flag``) to the host in one device sync; check the recorded item counts.
+
+        Returns:
+            ``bool(flag)``, or True without a flag.
+        """
+        if (self._host_ledger_fresh and flag is None) or self._ledger is None:
+            return True
+        packed = self._ledger if flag is None else torch.cat([self._ledger, flag.reshape(1).to(self._ledger.dtype)])
+        values = [float(v) for v in packed.tolist()]
+        self._host_ledger = values[: len(_LEDGER_FIELDS)]
+        self._host_ledger_fresh = True
+        if self._host_ledger[_BAD_ITEMS]:
+            raise ValueError(
+                "An item count given as a tensor was not a positive integer (a micro-batch with 0 or fewer"
+                " items). Check `item_count_fn` or the `items` passed to `record()`."
+            )
+        return flag is None or bool(values[-1])
+
+    # -------------------------------------------------------------------------------------- reporting
+
+    @property
+    def stats(self) -> AccumulationStats:
+        """A frozen snapshot of the statistics (syncs once if a step happened since the last read)."""
+        self._sync()
+        ledger = dict(zip(_LEDGER_FIELDS, self._host_ledger, strict=True))
+        return AccumulationStats(
+            accumulation_steps=self._accumulation_steps,
+            current_step=self._micro_batches,
+            optimizer_steps=self._optimizer_steps,
+            total_micro_batches=self._total_micro_batches,
+            skipped_steps=int(ledger["skipped_steps"]),
+            overflow_count=int(ledger["overflow_count"]),
+            clip_count=int(ledger["clip_count"]),
+            last_grad_norm=ledger["last_grad_norm"],
+            max_grad_norm_seen=ledger["max_grad_norm_seen"],
+            items_last_step=int(ledger["items_last_step"]),
+            micro_batches_last_step=self._micro_batches_last_step,
+            num_parameters=sum(param.numel() for _, param in self._named),
+            buffer_bytes=0,
+            peak_memory_bytes=self._peak_memory_bytes,
+        )
+
+    @property
+    def window_loss(self) -> float:
+        """Item-weighted mean loss of the last window, over ranks (``nan`` if no loss was recorded)."""
+        self._sync()
+        return self._host_ledger[_LOSS]
+
+    def reset(self, *, set_grads_to_none: bool = True) -> None:
+        """Discard the open window (and its gradients, by default); lifetime counters are kept."""
+        self._micro_batches = 0
+        self._open_window()
+        if set_grads_to_none:
+            for _, param in self._named:
+                param.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters as plain numbers (loadable with ``torch.load(weights_only=True)``)."""
+        self._sync()
+        state: dict[str, Any] = {
+            "version": _STATE_VERSION,
+            "accumulation_steps": self._accumulation_steps,
+            "optimizer_steps": self._optimizer_steps,
+            "total_micro_batches": self._total_micro_batches,
+            "micro_batches_last_step": self._micro_batches_last_step,
+            "peak_memory_bytes": self._peak_memory_bytes,
+        }
+        for name, value in zip(_LEDGER_FIELDS, self._host_ledger, strict=True):
+            state[name] = int(value) if name in _INT_FIELDS else value
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore counters saved by :meth:`state_dict`; nothing changes if ``state`` does not fit."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"Cannot load accumulator state of version {state.get('version')!r}; expected {_STATE_VERSION}."
+            )
+        missing = [key for key in (*_LEDGER_FIELDS, "optimizer_steps", "total_micro_batches") if key not in state]
+        if missing:
+            raise ValueError(f"Accumulator state is missing {missing}.")
+        self._optimizer_steps = int(state["optimizer_steps"])
+        self._total_micro_batches = int(state["total_micro_batches"])
+        self._micro_batches_last_step = int(state.get("micro_batches_last_step", 0))
+        self._peak_memory_bytes = int(state.get("peak_memory_bytes", 0))
+        self._host_ledger = [float(state[name]) for name in _LEDGER_FIELDS]
+        self._host_ledger_fresh = True
+        self._ledger = None

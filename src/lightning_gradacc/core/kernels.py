@@ -1,0 +1,130 @@
+"""Fused passes over lists of gradients, grouped by (device, dtype).
+
+The boundary of a window needs the total norm (which also reveals ``nan``/``inf``), one in-place multiply
+(normalization and norm clipping folded into one factor) and optionally a clamp. Each is one
+``torch._foreach_*`` call per (device, dtype) group; scalars stay on the device, so nothing here syncs
+with the host. Sparse gradients and ``foreach=False`` take a per-tensor path, as
+``torch.nn.utils.clip_grad_norm_`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+GroupKey = tuple[torch.device, torch.dtype]
+
+
+def group_by_device_and_dtype(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
+    """Group tensors by ``(device, dtype)``, keeping their order inside each group.
+
+    Example:
+        >>> groups = group_by_device_and_dtype([torch.zeros(2), torch.zeros(3, dtype=torch.float64)])
+        >>> sorted(str(dtype) for _, dtype in groups)
+        ['torch.float32', 'torch.float64']
+    """
+    groups: dict[GroupKey, list[Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        groups[(tensor.device, tensor.dtype)].append(tensor)
+    return dict(groups)
+
+
+def _use_foreach(tensors: Sequence[Tensor], foreach: bool | None) -> bool:
+    if foreach is False:
+        return False
+    supported = not any(t.is_sparse for t in tensors)
+    if foreach and not supported:
+        raise RuntimeError("`foreach=True` was requested but some gradients are sparse.")
+    return supported
+
+
+def total_norm(
+    tensors: Sequence[Tensor], norm_type: float, *, device: torch.device, foreach: bool | None = None
+) -> Tensor:
+    """Return the ``norm_type``-norm of all tensors together as a float32 scalar on ``device``.
+
+    Any ``nan`` or ``inf`` element makes the result non-finite, so one pass answers both "how large" and
+    "is it finite".
+
+    Example:
+        >>> total_norm([torch.tensor([3.0]), torch.tensor([4.0])], 2.0, device=torch.device("cpu"))
+        tensor(5.)
+    """
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    per_tensor: list[Tensor] = []
+    for (group_device, _), group in group_by_device_and_dtype(tensors).items():
+        if _use_foreach(group, foreach):
+            norms = torch._foreach_norm(group, norm_type, dtype=torch.float32)
+        else:
+            norms = [
+                torch.linalg.vector_norm(_dense_values(t), norm_type, dtype=torch.float32) for t in group
+            ]
+        per_tensor.extend(n.to(device, non_blocking=True) if group_device != device else n for n in norms)
+    return torch.linalg.vector_norm(torch.stack(per_tensor), norm_type)
+
+
+def _dense_values(tensor: Tensor) -> Tensor:
+    return tensor.coalesce().values() if tensor.is_sparse else tensor
+
+
+def scale_(tensors: Sequence[Tensor], factor: float | Tensor, *, foreach: bool | None = None) -> None:
+    """Multiply every tensor in place by ``factor`` (a Python number or a scalar tensor on any device).
+
+    Example:
+        >>> grads = [torch.ones(2)]
+        >>> scale_(grads, torch.tensor(0.5))
+        >>> grads[0]
+        tensor([0.5000, 0.5000])
+    """
+    if isinstance(factor, (int, float)) and factor == 1.0:
+        return
+    for (group_device, group_dtype), group in group_by_device_and_dtype(tensors).items():
+        local = factor.to(group_device, non_blocking=True) if isinstance(factor, Tensor) else factor
+        if _use_foreach(group, foreach):
+            torch._foreach_mul_(group, local)
+        else:
+            for tensor in group:
+                tensor.mul_(local.to(group_dtype) if isinstance(local, Tensor) else local)
+
+
+def clamp_(tensors: Sequence[Tensor], bound: float, *, foreach: bool | None = None) -> None:
+    """Clamp every element of every tensor to ``[-bound, bound]`` in place.
+
+    Example:
+        >>> grads = [torch.tensor([-3.0, 0.5, 3.0])]
+        >>> clamp_(grads, 1.0)
+        >>> grads[0]
+        tensor([-1.0000,  0.5000,  1.0000])
+    """
+    for group in group_by_device_and_dtype(tensors).values():
+        if _use_foreach(group, foreach):
+            torch._foreach_clamp_min_(group, -bound)
+            torch._foreach_clamp_max_(group, bound)
+        else:
+            for tensor in group:
+                target = tensor.coalesce()._values() if tensor.is_sparse else tensor
+                target.clamp_(-bound, bound)
+
+
+def non_finite_names(named_tensors: Sequence[tuple[str, Tensor]], limit: int = 5) -> list[str]:
+    """Return the names of up to ``limit`` tensors holding ``nan`` or ``inf`` (syncs; for error paths only).
+
+    Example:
+        >>> non_finite_names([("a", torch.ones(1)), ("b", torch.tensor([math.nan]))])
+        ['b']
+    """
+    names: list[str] = []
+    for name, tensor in named_tensors:
+        if not bool(torch.isfinite(_dense_values(tensor)).all()):
+            names.append(name)
+            if len(names) == limit:
+                break
+    return names
+
+
+__all__ = ["clamp_", "group_by_device_and_dtype", "non_finite_names", "scale_", "total_norm"]

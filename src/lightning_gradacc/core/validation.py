@@ -1,0 +1,128 @@
+"""Argument checks shared by :class:`GradAccumulator` and the Lightning callback.
+
+Every check raises before any training starts and names the argument, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, get_args
+
+import torch
+
+Scaling = Literal["mean", "sum", "weighted", "average", "dynamic"]
+OverflowPolicy = Literal["skip", "raise", "ignore"]
+
+_SCALING_ALIASES = {"average": "mean", "dynamic": "weighted"}
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Return ``value`` if it is an ``int`` >= 1 (``bool`` and ``float`` are rejected).
+
+    Example:
+        >>> check_positive_int("accumulation_steps", 4)
+        4
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Expected argument `{name}` to be a positive int, but got {value!r}.")
+    if value < 1:
+        raise ValueError(f"Expected argument `{name}` to be a positive int, but got {value!r}.")
+    return value
+
+
+def check_schedule(name: str, schedule: Any) -> dict[int, int]:
+    """Validate an epoch schedule ``{epoch: K}`` and return a sorted copy (the caller's dict is untouched).
+
+    Example:
+        >>> check_schedule("accumulation_steps", {3: 4, 1: 2})
+        {1: 2, 3: 4}
+    """
+    if not isinstance(schedule, dict) or not schedule:
+        raise ValueError(f"Expected argument `{name}` to be a non-empty dict {{epoch: K}}, but got {schedule!r}.")
+    for epoch, steps in schedule.items():
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(
+                f"Expected the epochs (keys) of `{name}` to be ints >= 0, but got {epoch!r} in {schedule!r}."
+            )
+        check_positive_int(f"{name}[{epoch}]", steps)
+    return dict(sorted(schedule.items()))
+
+
+def check_scaling(value: Any) -> str:
+    """Return the canonical scaling name (``"mean"``, ``"sum"`` or ``"weighted"``); aliases are resolved.
+
+    Example:
+        >>> check_scaling("average")
+        'mean'
+    """
+    if value not in get_args(Scaling):
+        raise ValueError(f"Expected argument `scaling` to be one of {list(get_args(Scaling))}, but got {value!r}.")
+    return _SCALING_ALIASES.get(value, value)
+
+
+def check_overflow(value: Any) -> str:
+    """Return ``value`` if it is a known overflow policy.
+
+    Example:
+        >>> check_overflow("skip")
+        'skip'
+    """
+    if value not in get_args(OverflowPolicy):
+        raise ValueError(
+            f"Expected argument `overflow` to be one of {list(get_args(OverflowPolicy))}, but got {value!r}."
+        )
+    return str(value)
+
+
+def check_optional_positive_float(name: str, value: Any) -> float | None:
+    """Return ``value`` as a float if it is ``None`` or a finite or infinite number > 0 (``nan`` rejected).
+
+    Example:
+        >>> check_optional_positive_float("max_grad_norm", 1)
+        1.0
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Expected argument `{name}` to be a positive float or None, but got {value!r}.")
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"Expected argument `{name}` to be a positive float or None, but got {value!r}.")
+    return float(value)
+
+
+def check_norm_type(value: Any) -> float:
+    """Return the norm order as a float: any ``p > 0`` or ``inf``.
+
+    Example:
+        >>> check_norm_type("inf")
+        inf
+    """
+    if isinstance(value, str) and value.lower() in ("inf", "infinity"):
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        raise ValueError(f"Expected argument `norm_type` to be a float > 0 or inf, but got {value!r}.")
+    return float(value)
+
+
+def check_item_count(items: Any, where: str) -> int | torch.Tensor:
+    """Validate one micro-batch's item count without a host sync.
+
+    Python ints are checked at once. Tensors must be integer scalars; their value is checked at the window
+    boundary, where the accumulator synchronizes anyway (checking it here would stall a GPU).
+
+    Example:
+        >>> check_item_count(32, "items")
+        32
+    """
+    if isinstance(items, torch.Tensor):
+        if items.numel() != 1 or items.is_floating_point() or items.is_complex() or items.dtype == torch.bool:
+            raise TypeError(
+                f"Expected {where} to be a positive integer or an integer scalar tensor, but got a tensor"
+                f" of dtype {items.dtype} and shape {tuple(items.shape)}."
+            )
+        return items.reshape(())
+    if isinstance(items, bool) or not isinstance(items, int):
+        raise TypeError(f"Expected {where} to be a positive integer, but got {items!r}.")
+    if items < 1:
+        raise ValueError(f"Expected {where} to be a positive integer, but got {items!r}.")
+    return items

@@ -1,0 +1,201 @@
+"""Small models, data and plain-PyTorch big-batch references shared by the tests.
+
+Everything here is deterministic and importable by spawned DDP workers (``tests.helpers``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+IGNORE_INDEX = -100
+
+
+def trainer(**overrides: Any) -> pl.Trainer:
+    """A quiet CPU Trainer for tests."""
+    options: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+    )
+    options.update(overrides)
+    return pl.Trainer(**options)
+
+
+# ----------------------------------------------------------------------------------- regression model
+
+
+def regression_data(num_samples: int = 40, features: int = 5, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, features, generator=generator)
+    y = x @ torch.randn(features, 1, generator=generator) + 0.1 * torch.randn(num_samples, 1, generator=generator)
+    return TensorDataset(x, y)
+
+
+def regression_net(features: int = 5, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(features, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+class RegressionModule(pl.LightningModule):
+    """MSE regression; ``nan_at`` makes the loss of chosen global micro-batch indices non-finite."""
+
+    def __init__(
+        self,
+        data: Dataset[Any] | None = None,
+        batch_size: int = 4,
+        lr: float = 0.1,
+        optimizer: str = "sgd",
+        nan_at: Sequence[int] = (),
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.net = regression_net(seed=seed)
+        self.data = data if data is not None else regression_data()
+        self.batch_size = batch_size
+        self.lr = lr
+        self.optimizer_name = optimizer
+        self.nan_at = set(nan_at)
+        self.micro_batches_seen = 0
+
+    def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if self.micro_batches_seen in self.nan_at:
+            loss = loss * torch.tensor(float("nan"))
+        self.micro_batches_seen += 1
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.optimizer_name, self.net.parameters(), self.lr)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=False)
+
+
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(name)
+
+
+# -------------------------------------------------------------------------------------- token model
+
+VOCAB = 11
+
+
+def token_data(num_sequences: int = 24, max_len: int = 9, seed: int = 0) -> TensorDataset:
+    """Padded sequences of very different lengths (1..max_len real tokens); padding labels are ignored."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.zeros(num_sequences, max_len, dtype=torch.long)
+    labels = torch.full((num_sequences, max_len), IGNORE_INDEX, dtype=torch.long)
+    for row in range(num_sequences):
+        length = int(torch.randint(1, max_len + 1, (), generator=generator))
+        inputs[row, :length] = torch.randint(1, VOCAB, (length,), generator=generator)
+        labels[row, :length] = torch.randint(0, VOCAB, (length,), generator=generator)
+    return TensorDataset(inputs, labels)
+
+
+def count_tokens(batch: Sequence[Tensor]) -> Tensor:
+    """Non-padding tokens of a batch, as a tensor (no sync)."""
+    return (batch[1] != IGNORE_INDEX).sum()
+
+
+def token_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(VOCAB, 6), nn.Linear(6, VOCAB))
+
+
+def token_loss(net: nn.Module, inputs: Tensor, labels: Tensor) -> Tensor:
+    logits = net(inputs)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+class TokenModule(pl.LightningModule):
+    def __init__(self, data: Dataset[Any] | None = None, batch_size: int = 2, lr: float = 0.5) -> None:
+        super().__init__()
+        self.net = token_net()
+        self.data = data if data is not None else token_data()
+        self.batch_size = batch_size
+        self.lr = lr
+
+    def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        return token_loss(self.net, *batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=False)
+
+
+# -------------------------------------------------------------------------------- plain references
+
+
+def windows(num_batches: int, schedule: Callable[[int], int] | int, epochs: int = 1) -> list[list[int]]:
+    """Micro-batch indices of each window, epoch by epoch, with Lightning's boundaries."""
+    result: list[list[int]] = []
+    for epoch in range(epochs):
+        k = schedule(epoch) if callable(schedule) else schedule
+        for start in range(0, num_batches, k):
+            result.append(list(range(start, min(start + k, num_batches))))
+    return result
+
+
+def big_batch_reference(
+    net: nn.Module,
+    data: TensorDataset,
+    batch_size: int,
+    window_list: list[list[int]],
+    loss_fn: Callable[..., Tensor],
+    *,
+    lr: float = 0.1,
+    optimizer: str = "sgd",
+    sum_of_means: bool = False,
+    skip_windows: Sequence[int] = (),
+    max_grad_norm: float | None = None,
+) -> nn.Module:
+    """Train a copy of ``net`` with one optimizer step per window on the window's samples as ONE batch.
+
+    The loss of the big batch is the loss of all its items at once (for token data: the mean over every
+    real token of the window); ``sum_of_means`` multiplies it by the number of micro-batches (the "sum"
+    contract with equal micro-batches).
+    """
+    reference = copy.deepcopy(net)
+    opt = make_optimizer(optimizer, reference.parameters(), lr)
+    tensors = data.tensors
+    for index, window in enumerate(window_list):
+        rows = torch.cat([torch.arange(b * batch_size, min((b + 1) * batch_size, len(data))) for b in window])
+        opt.zero_grad()
+        loss = loss_fn(reference, *(t[rows] for t in tensors))
+        if sum_of_means:
+            loss = loss * len(window)
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
+        if index in skip_windows:
+            continue
+        opt.step()
+    return reference
+
+
+def mse(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    return nn.functional.mse_loss(net(x), y)
+
+
+def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
