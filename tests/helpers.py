@@ -12,7 +12,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 IGNORE_INDEX = -100
 
@@ -40,7 +40,9 @@ def trainer(**overrides: Any) -> pl.Trainer:
 def regression_data(num_samples: int = 40, features: int = 5, seed: int = 0) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(num_samples, features, generator=generator)
-    y = x @ torch.randn(features, 1, generator=generator) + 0.1 * torch.randn(num_samples, 1, generator=generator)
+    y = x @ torch.randn(features, 1, generator=generator) + 0.1 * torch.randn(
+        num_samples, 1, generator=generator
+    )
     return TensorDataset(x, y)
 
 
@@ -82,7 +84,21 @@ class RegressionModule(pl.LightningModule):
         return make_optimizer(self.optimizer_name, self.net.parameters(), self.lr)
 
     def train_dataloader(self) -> DataLoader[Any]:
-        return DataLoader(self.data, batch_size=self.batch_size, shuffle=False)
+        return ordered_loader(self, self.data, self.batch_size)
+
+
+def ordered_loader(module: pl.LightningModule, data: Dataset[Any], batch_size: int) -> DataLoader[Any]:
+    """Batches in dataset order; under DDP rank r reads rows r, r + R, ...
+
+    Run with ``use_distributed_sampler=False``.
+
+    So micro-batch i of all ranks together is rows [i*B*R, (i+1)*B*R): the big-batch reference's batch i.
+    """
+    trainer = module._trainer
+    if trainer is not None and trainer.world_size > 1:
+        sampler = DistributedSampler(data, trainer.world_size, trainer.global_rank, shuffle=False)
+        return DataLoader(data, batch_size=batch_size, sampler=sampler)
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
 
 
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
@@ -122,7 +138,9 @@ def token_net(seed: int = 0) -> nn.Module:
 
 def token_loss(net: nn.Module, inputs: Tensor, labels: Tensor) -> Tensor:
     logits = net(inputs)
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=IGNORE_INDEX
+    )
 
 
 class TokenModule(pl.LightningModule):
@@ -140,7 +158,7 @@ class TokenModule(pl.LightningModule):
         return torch.optim.SGD(self.net.parameters(), lr=self.lr)
 
     def train_dataloader(self) -> DataLoader[Any]:
-        return DataLoader(self.data, batch_size=self.batch_size, shuffle=False)
+        return ordered_loader(self, self.data, self.batch_size)
 
 
 # -------------------------------------------------------------------------------- plain references
@@ -168,6 +186,7 @@ def big_batch_reference(
     sum_of_means: bool = False,
     skip_windows: Sequence[int] = (),
     max_grad_norm: float | None = None,
+    losses: list[float] | None = None,
 ) -> nn.Module:
     """Train a copy of ``net`` with one optimizer step per window on the window's samples as ONE batch.
 
@@ -182,6 +201,8 @@ def big_batch_reference(
         rows = torch.cat([torch.arange(b * batch_size, min((b + 1) * batch_size, len(data))) for b in window])
         opt.zero_grad()
         loss = loss_fn(reference, *(t[rows] for t in tensors))
+        if losses is not None:
+            losses.append(float(loss.detach()))
         if sum_of_means:
             loss = loss * len(window)
         loss.backward()
@@ -197,5 +218,35 @@ def mse(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return nn.functional.mse_loss(net(x), y)
 
 
+class MetricsRecorder(pl.loggers.Logger):
+    """An in-memory logger: every ``log_metrics`` call as ``(step, metrics)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append((int(step or 0), dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        return [(step, metrics[key]) for step, metrics in self.records if key in metrics]
+
+
+def series_steps(recorder: MetricsRecorder, key: str) -> list[int]:
+    return [step for step, _ in recorder.series(key)]
+
+
 def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
-    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    pairs = zip(a.parameters(), b.parameters(), strict=True)
+    return max(float((p.detach() - q.detach()).abs().max()) for p, q in pairs)

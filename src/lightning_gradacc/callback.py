@@ -14,8 +14,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, GradientAccumulationScheduler
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
+from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.data import extract_batch_size
-from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -87,7 +87,8 @@ class GradientAccumulationCallback(Callback):
         if item_count_fn is not None:
             if not callable(item_count_fn):
                 raise TypeError(
-                    f"Expected argument `item_count_fn` to be callable (batch -> int), but got {item_count_fn!r}."
+                    f"Expected argument `item_count_fn` to be callable (batch -> int),"
+                    f" but got {item_count_fn!r}."
                 )
             if self.scaling != "weighted":
                 raise ValueError(
@@ -140,22 +141,23 @@ class GradientAccumulationCallback(Callback):
         elif trainer_k not in (1, self._applied_k, self.plan.fixed):
             raise ValueError(
                 f"You have set `Trainer(accumulate_grad_batches={trainer_k})` and"
-                f" `GradientAccumulationCallback({self._describe_plan()})`. The callback owns the accumulation"
-                " factor: remove `accumulate_grad_batches` from the Trainer or set the same value."
+                f" `GradientAccumulationCallback({self._describe_plan()})`. The callback owns the"
+                " accumulation factor: remove `accumulate_grad_batches` from the Trainer or set the same"
+                " value."
             )
         self._apply_k(trainer, self.plan.for_epoch(trainer.current_epoch))
         if trainer.gradient_clip_val and (self.max_grad_norm is not None or self.clip_value is not None):
             rank_zero_warn(
                 f"Both `Trainer(gradient_clip_val={trainer.gradient_clip_val})` and the callback's clipping"
-                f" (max_grad_norm={self.max_grad_norm}, clip_value={self.clip_value}) are set: the gradient is"
-                " clipped twice. Remove `gradient_clip_val` from the Trainer."
+                f" (max_grad_norm={self.max_grad_norm}, clip_value={self.clip_value}) are set: the gradient"
+                " is clipped twice. Remove `gradient_clip_val` from the Trainer."
             )
         self._scaler = getattr(trainer.precision_plugin, "scaler", None)
         if self._scaler is not None and self.overflow != "skip":
             rank_zero_warn(
-                f"`overflow={self.overflow!r}` cannot take effect under a GradScaler (`precision='16-mixed'`):"
-                " the scaler skips steps with non-finite gradients and lowers its scale; those overflows are"
-                " counted in `overflow_count` and `skipped_steps`."
+                f"`overflow={self.overflow!r}` cannot take effect under a GradScaler"
+                " (`precision='16-mixed'`): the scaler skips steps with non-finite gradients and lowers its"
+                " scale; those overflows are counted in `overflow_count` and `skipped_steps`."
             )
 
     def _describe_plan(self) -> str:
@@ -188,8 +190,8 @@ class GradientAccumulationCallback(Callback):
                 type(callback).__name__ == "GradientAccumulationScheduler"
             ):
                 raise RuntimeError(
-                    "You are using Lightning's `GradientAccumulationScheduler` and `GradientAccumulationCallback`."
-                    " Remove the scheduler and pass its schedule as"
+                    "You are using Lightning's `GradientAccumulationScheduler` and"
+                    " `GradientAccumulationCallback`. Remove the scheduler and pass its schedule as"
                     " `GradientAccumulationCallback(accumulation_steps={epoch: K})`."
                 )
             if isinstance(callback, GradientAccumulationCallback) and callback is not self:
@@ -229,7 +231,8 @@ class GradientAccumulationCallback(Callback):
         strategy = trainer.strategy
 
         def all_reduce_sum(tensor: Tensor) -> Tensor:
-            return strategy.reduce(tensor, reduce_op="sum")  # type: ignore[no-any-return]
+            reduced: Tensor = strategy.reduce(tensor, reduce_op="sum")
+            return reduced
 
         previous = self._accumulator
         accumulator = GradAccumulator(
@@ -244,8 +247,10 @@ class GradientAccumulationCallback(Callback):
             all_reduce=all_reduce_sum if world_size > 1 else None,
         )
         # Lifetime counters survive a second `fit()` and a resume from a checkpoint.
-        state = self._loaded_state if self._loaded_state is not None else (
-            previous.state_dict() if previous is not None else None
+        state = (
+            self._loaded_state
+            if self._loaded_state is not None
+            else (previous.state_dict() if previous is not None else None)
         )
         if state is not None:
             accumulator.load_state_dict(state)
@@ -361,7 +366,9 @@ class GradientAccumulationCallback(Callback):
             self._stashed_clip_val = None
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._restore_clip_val(trainer)
 
     @override

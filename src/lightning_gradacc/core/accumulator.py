@@ -135,7 +135,9 @@ class GradAccumulator:
         self.foreach = foreach
         self._named = self._trainable(parameters)
         if not self._named:
-            raise ValueError("Expected argument `parameters` to hold at least one parameter with requires_grad.")
+            raise ValueError(
+                "Expected argument `parameters` to hold at least one parameter with requires_grad."
+            )
         self.device = self._named[0][1].device
         self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self._memory = WindowPeakMemory(self.device)
@@ -156,7 +158,9 @@ class GradAccumulator:
         for index, entry in enumerate(parameters):
             name, param = entry if isinstance(entry, tuple) else (f"param_{index}", entry)
             if not isinstance(param, Tensor):
-                raise TypeError(f"Expected argument `parameters` to hold tensors, but got {type(param).__name__}.")
+                raise TypeError(
+                    f"Expected argument `parameters` to hold tensors, but got {type(param).__name__}."
+                )
             if param.requires_grad:
                 named.append((name, param))
         return named
@@ -182,8 +186,8 @@ class GradAccumulator:
         check_positive_int("accumulation_steps", value)
         if value != self._accumulation_steps and self._micro_batches:
             raise RuntimeError(
-                f"Cannot change `accumulation_steps` from {self._accumulation_steps} to {value} inside an open"
-                f" window ({self._micro_batches} micro-batches recorded). Change it after `finalize()`."
+                f"Cannot change `accumulation_steps` from {self._accumulation_steps} to {value} inside an"
+                f" open window ({self._micro_batches} micro-batches recorded). Change it after `finalize()`."
             )
         self._accumulation_steps = value
 
@@ -219,9 +223,10 @@ class GradAccumulator:
         return check_item_count(items, "argument `items`")
 
     def backward(self, loss: Tensor, items: int | Tensor | None = None) -> None:
-        """Back-propagate one micro-batch's loss (a mean over its items) with the right weight, and record it."""
+        """Back-propagate one micro-batch's loss (a mean over its items) with its weight; record it."""
         weight = self.loss_weight(items)
-        (loss * weight if not isinstance(weight, int) or weight != 1 else loss).backward()
+        weighted = loss * weight if not isinstance(weight, int) or weight != 1 else loss
+        weighted.backward()  # type: ignore[no-untyped-call]
         self.record(items, loss.detach())
 
     def record(self, items: int | Tensor | None = None, loss: Tensor | float | None = None) -> None:
@@ -253,7 +258,9 @@ class GradAccumulator:
                     weight = weight.to(loss.device, non_blocking=True)
                 contribution: Tensor | float = loss.detach().to(self._ledger_dtype) * weight
             else:
-                contribution = float(loss) * weight if not isinstance(weight, Tensor) else weight * float(loss)
+                contribution = (
+                    float(loss) * weight if not isinstance(weight, Tensor) else weight * float(loss)
+                )
             self._loss_sum = self._loss_sum + contribution
             self._loss_weight = self._loss_weight + weight
         self._micro_batches += 1
@@ -309,8 +316,10 @@ class GradAccumulator:
             clipped = coefficient < 1.0
             multiplier = coefficient * factor
         if self.clip_value is not None:
-            raw_max = raw_norm if self.norm_type == math.inf else total_norm(
-                grads, math.inf, device=self.device, foreach=self.foreach
+            raw_max = (
+                raw_norm
+                if self.norm_type == math.inf
+                else total_norm(grads, math.inf, device=self.device, foreach=self.foreach)
             )
             clipped = clipped | (raw_max.to(self._ledger_dtype) * multiplier > self.clip_value)
         clipped = clipped & finite
@@ -328,7 +337,9 @@ class GradAccumulator:
             clipped=clipped.to(self._ledger_dtype),
             norm=norm,
             items=items,
-            window_loss=loss_sum / loss_weight if isinstance(loss_weight, Tensor) or loss_weight else math.nan,
+            window_loss=loss_sum / loss_weight
+            if isinstance(loss_weight, Tensor) or loss_weight
+            else math.nan,
             bad_items=bad_items,
         )
         k = self._micro_batches
@@ -338,13 +349,14 @@ class GradAccumulator:
         self._peak_memory_bytes = self._memory.read()
         self._open_window()
 
-        if not overflow_handled_externally and self.overflow in ("skip", "raise"):
-            if not self._sync(finite):  # the one host sync of this step: the decision needs it
-                if self.overflow == "raise":
-                    raise GradientOverflowError(step, non_finite_names(named))
-                for _, param in self._named:
-                    param.grad = None
-                return False
+        decides = not overflow_handled_externally and self.overflow in ("skip", "raise")
+        # The one host sync of this step, and only where a decision needs it.
+        if decides and not self._sync(finite):
+            if self.overflow == "raise":
+                raise GradientOverflowError(step, non_finite_names(named))
+            for _, param in self._named:
+                param.grad = None
+            return False
         scale_(grads, multiplier, foreach=self.foreach)
         if self.clip_value is not None:
             clamp_(grads, self.clip_value, foreach=self.foreach)
@@ -373,7 +385,9 @@ class GradAccumulator:
             items = self._scalar(self._items_device) + self._items_host
         if world_size == 1 or all_reduce is None:
             return items, self._loss_sum, self._loss_weight
-        packed = torch.stack([self._scalar(items), self._scalar(self._loss_sum), self._scalar(self._loss_weight)])
+        packed = torch.stack(
+            [self._scalar(items), self._scalar(self._loss_sum), self._scalar(self._loss_weight)]
+        )
         packed = all_reduce(packed)
         return packed[0], packed[1], packed[2]
 
@@ -419,7 +433,11 @@ class GradAccumulator:
         """
         if (self._host_ledger_fresh and flag is None) or self._ledger is None:
             return True
-        packed = self._ledger if flag is None else torch.cat([self._ledger, flag.reshape(1).to(self._ledger.dtype)])
+        packed = (
+            self._ledger
+            if flag is None
+            else torch.cat([self._ledger, flag.reshape(1).to(self._ledger.dtype)])
+        )
         values = [float(v) for v in packed.tolist()]
         self._host_ledger = values[: len(_LEDGER_FIELDS)]
         self._host_ledger_fresh = True
@@ -487,9 +505,12 @@ class GradAccumulator:
         """Restore counters saved by :meth:`state_dict`; nothing changes if ``state`` does not fit."""
         if state.get("version") != _STATE_VERSION:
             raise ValueError(
-                f"Cannot load accumulator state of version {state.get('version')!r}; expected {_STATE_VERSION}."
+                f"Cannot load accumulator state of version {state.get('version')!r};"
+                f" expected {_STATE_VERSION}."
             )
-        missing = [key for key in (*_LEDGER_FIELDS, "optimizer_steps", "total_micro_batches") if key not in state]
+        missing = [
+            key for key in (*_LEDGER_FIELDS, "optimizer_steps", "total_micro_batches") if key not in state
+        ]
         if missing:
             raise ValueError(f"Accumulator state is missing {missing}.")
         self._optimizer_steps = int(state["optimizer_steps"])

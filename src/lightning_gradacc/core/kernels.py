@@ -3,13 +3,12 @@
 The boundary of a window needs the total norm (which also reveals ``nan``/``inf``), one in-place multiply
 (normalization and norm clipping folded into one factor) and optionally a clamp. Each is one
 ``torch._foreach_*`` call per (device, dtype) group; scalars stay on the device, so nothing here syncs
-with the host. Sparse gradients and ``foreach=False`` take a per-tensor path, as
-``torch.nn.utils.clip_grad_norm_`` does.
+with the host. ``foreach=False`` takes a per-tensor path, as in ``torch.nn.utils.clip_grad_norm_``.
+Gradients are dense (the accumulator rejects sparse ones).
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -33,13 +32,9 @@ def group_by_device_and_dtype(tensors: Sequence[Tensor]) -> dict[GroupKey, list[
     return dict(groups)
 
 
-def _use_foreach(tensors: Sequence[Tensor], foreach: bool | None) -> bool:
-    if foreach is False:
-        return False
-    supported = not any(t.is_sparse for t in tensors)
-    if foreach and not supported:
-        raise RuntimeError("`foreach=True` was requested but some gradients are sparse.")
-    return supported
+def _use_foreach(foreach: bool | None) -> bool:
+    # foreach kernels exist for every dense strided tensor on CPU and CUDA; None and True both use them.
+    return foreach is not False
 
 
 def total_norm(
@@ -58,18 +53,13 @@ def total_norm(
         return torch.zeros((), dtype=torch.float32, device=device)
     per_tensor: list[Tensor] = []
     for (group_device, _), group in group_by_device_and_dtype(tensors).items():
-        if _use_foreach(group, foreach):
-            norms = torch._foreach_norm(group, norm_type, dtype=torch.float32)
+        if _use_foreach(foreach):
+            norms: Sequence[Tensor] = torch._foreach_norm(group, norm_type, dtype=torch.float32)
         else:
-            norms = [
-                torch.linalg.vector_norm(_dense_values(t), norm_type, dtype=torch.float32) for t in group
-            ]
+            norms = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in group]
         per_tensor.extend(n.to(device, non_blocking=True) if group_device != device else n for n in norms)
-    return torch.linalg.vector_norm(torch.stack(per_tensor), norm_type)
-
-
-def _dense_values(tensor: Tensor) -> Tensor:
-    return tensor.coalesce().values() if tensor.is_sparse else tensor
+    total: Tensor = torch.linalg.vector_norm(torch.stack(per_tensor), norm_type)
+    return total
 
 
 def scale_(tensors: Sequence[Tensor], factor: float | Tensor, *, foreach: bool | None = None) -> None:
@@ -85,7 +75,7 @@ def scale_(tensors: Sequence[Tensor], factor: float | Tensor, *, foreach: bool |
         return
     for (group_device, group_dtype), group in group_by_device_and_dtype(tensors).items():
         local = factor.to(group_device, non_blocking=True) if isinstance(factor, Tensor) else factor
-        if _use_foreach(group, foreach):
+        if _use_foreach(foreach):
             torch._foreach_mul_(group, local)
         else:
             for tensor in group:
@@ -102,25 +92,24 @@ def clamp_(tensors: Sequence[Tensor], bound: float, *, foreach: bool | None = No
         tensor([-1.0000,  0.5000,  1.0000])
     """
     for group in group_by_device_and_dtype(tensors).values():
-        if _use_foreach(group, foreach):
+        if _use_foreach(foreach):
             torch._foreach_clamp_min_(group, -bound)
             torch._foreach_clamp_max_(group, bound)
         else:
             for tensor in group:
-                target = tensor.coalesce()._values() if tensor.is_sparse else tensor
-                target.clamp_(-bound, bound)
+                tensor.clamp_(-bound, bound)
 
 
 def non_finite_names(named_tensors: Sequence[tuple[str, Tensor]], limit: int = 5) -> list[str]:
     """Return the names of up to ``limit`` tensors holding ``nan`` or ``inf`` (syncs; for error paths only).
 
     Example:
-        >>> non_finite_names([("a", torch.ones(1)), ("b", torch.tensor([math.nan]))])
+        >>> non_finite_names([("a", torch.ones(1)), ("b", torch.tensor([float("nan")]))])
         ['b']
     """
     names: list[str] = []
     for name, tensor in named_tensors:
-        if not bool(torch.isfinite(_dense_values(tensor)).all()):
+        if not bool(torch.isfinite(tensor).all()):
             names.append(name)
             if len(names) == limit:
                 break

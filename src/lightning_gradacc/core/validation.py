@@ -38,7 +38,9 @@ def check_schedule(name: str, schedule: Any) -> dict[int, int]:
         {1: 2, 3: 4}
     """
     if not isinstance(schedule, dict) or not schedule:
-        raise ValueError(f"Expected argument `{name}` to be a non-empty dict {{epoch: K}}, but got {schedule!r}.")
+        raise ValueError(
+            f"Expected argument `{name}` to be a non-empty dict {{epoch: K}}, but got {schedule!r}."
+        )
     for epoch, steps in schedule.items():
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(
@@ -56,8 +58,10 @@ def check_scaling(value: Any) -> str:
         'mean'
     """
     if value not in get_args(Scaling):
-        raise ValueError(f"Expected argument `scaling` to be one of {list(get_args(Scaling))}, but got {value!r}.")
-    return _SCALING_ALIASES.get(value, value)
+        raise ValueError(
+            f"Expected argument `scaling` to be one of {list(get_args(Scaling))}, but got {value!r}."
+        )
+    return _SCALING_ALIASES.get(str(value), str(value))
 
 
 def check_overflow(value: Any) -> str:

@@ -1,0 +1,285 @@
+"""The torch-only core in a plain PyTorch loop, against big-batch references."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gradacc import GradAccumulator, GradientOverflowError
+from tests import helpers as h
+from tests.syncs import SyncCounter
+
+BATCH = 4
+
+
+def run_plain_loop(
+    accumulator_kwargs: dict, k: int, num_batches: int = 10, nan_at: tuple[int, ...] = ()
+) -> tuple[nn.Module, GradAccumulator]:
+    data = h.regression_data(num_batches * BATCH)
+    net = h.regression_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    accumulator = GradAccumulator(net.named_parameters(), k, **accumulator_kwargs)
+    x_all, y_all = data.tensors
+    for index in range(num_batches):
+        x, y = x_all[index * BATCH : (index + 1) * BATCH], y_all[index * BATCH : (index + 1) * BATCH]
+        loss = h.mse(net, x, y)
+        if index in nan_at:
+            loss = loss * math.nan
+        accumulator.backward(loss, items=len(x))
+        accumulator.step(optimizer, force=index == num_batches - 1)
+    return net, accumulator
+
+
+@pytest.mark.parametrize("scaling", ["mean", "average", "sum"])
+@pytest.mark.parametrize("k", [1, 3, 4, 10])
+def test_plain_loop_matches_big_batch(scaling: str, k: int) -> None:
+    net, accumulator = run_plain_loop({"scaling": scaling}, k)
+    reference = h.big_batch_reference(
+        h.regression_net(),
+        h.regression_data(40),
+        BATCH,
+        h.windows(10, k),
+        h.mse,
+        sum_of_means=scaling == "sum",
+    )
+    assert h.max_abs_diff(net, reference) < 1e-6
+    assert accumulator.stats.optimizer_steps == math.ceil(10 / k)
+    assert accumulator.stats.micro_batches_last_step == (10 % k or k)
+
+
+def test_weighted_variable_tokens_matches_big_batch() -> None:
+    data = h.token_data()
+    net = h.token_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    accumulator = GradAccumulator(net.parameters(), 4, scaling="weighted")
+    inputs, labels = data.tensors
+    num_batches = len(data) // 2
+    for index in range(num_batches):
+        batch = (inputs[2 * index : 2 * index + 2], labels[2 * index : 2 * index + 2])
+        accumulator.backward(h.token_loss(net, *batch), items=h.count_tokens(batch))
+        accumulator.step(optimizer, force=index == num_batches - 1)
+    reference = h.big_batch_reference(h.token_net(), data, 2, h.windows(num_batches, 4), h.token_loss, lr=0.5)
+    assert h.max_abs_diff(net, reference) < 1e-6
+    last_rows = labels[2 * 8 :]
+    assert accumulator.stats.items_last_step == int((last_rows != h.IGNORE_INDEX).sum())
+
+
+def test_clipping_matches_torch_clip_on_the_big_batch() -> None:
+    net, accumulator = run_plain_loop({"max_grad_norm": 0.5}, 4)
+    reference = h.big_batch_reference(
+        h.regression_net(), h.regression_data(40), BATCH, h.windows(10, 4), h.mse, max_grad_norm=0.5
+    )
+    assert h.max_abs_diff(net, reference) < 1e-6
+    assert accumulator.stats.clip_count == 3  # every window's norm is above 0.5
+    assert accumulator.stats.last_grad_norm > 0.5
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.5, math.inf])
+def test_reported_norm_is_the_norm_of_the_final_gradient(norm_type: float) -> None:
+    net = nn.Linear(4, 3)
+    accumulator = GradAccumulator(net.parameters(), 2, norm_type=norm_type)
+    for _ in range(2):
+        accumulator.backward(net(torch.randn(5, 4)).pow(2).mean(), items=5)
+    assert accumulator.finalize()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in net.parameters()], norm_type)
+    assert accumulator.stats.last_grad_norm == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_clip_value_clamps_the_final_gradient_and_counts() -> None:
+    net = nn.Linear(4, 1)
+    accumulator = GradAccumulator(net.parameters(), 1, clip_value=1e-3)
+    accumulator.backward(net(torch.randn(8, 4)).pow(2).mean() * 100)
+    assert accumulator.finalize()
+    assert max(float(p.grad.abs().max()) for p in net.parameters()) == pytest.approx(1e-3)
+    assert accumulator.stats.clip_count == 1
+    net.zero_grad()
+    accumulator.backward(net(torch.zeros(8, 4)).sum() * 0)  # zero gradient: nothing to clamp
+    accumulator.finalize()
+    assert accumulator.stats.clip_count == 1
+
+
+@pytest.mark.parametrize("bad_micro_batch", [0, 5, 9])
+def test_skip_policy_drops_exactly_the_bad_window(bad_micro_batch: int) -> None:
+    net, accumulator = run_plain_loop({"overflow": "skip"}, 4, nan_at=(bad_micro_batch,))
+    bad_window = bad_micro_batch // 4
+    reference = h.big_batch_reference(
+        h.regression_net(), h.regression_data(40), BATCH, h.windows(10, 4), h.mse, skip_windows=[bad_window]
+    )
+    assert h.max_abs_diff(net, reference) < 1e-6
+    stats = accumulator.stats
+    assert (stats.skipped_steps, stats.overflow_count, stats.optimizer_steps) == (1, 1, 3)
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+def test_raise_policy_names_the_parameters_and_the_step() -> None:
+    with pytest.raises(GradientOverflowError, match=r"optimizer step 1 in `0.weight`, `0.bias`") as error:
+        run_plain_loop({"overflow": "raise"}, 4, nan_at=(6,))
+    assert error.value.step == 1
+    assert error.value.parameter_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_ignore_policy_counts_and_steps() -> None:
+    net, accumulator = run_plain_loop({"overflow": "ignore"}, 4, nan_at=(9,))
+    assert (accumulator.stats.overflow_count, accumulator.stats.skipped_steps) == (1, 0)
+    assert not all(torch.isfinite(p).all() for p in net.parameters())
+
+
+def test_foreach_and_per_tensor_paths_agree() -> None:
+    fused, _ = run_plain_loop({"max_grad_norm": 0.5, "clip_value": 0.05, "foreach": True}, 4)
+    looped, _ = run_plain_loop({"max_grad_norm": 0.5, "clip_value": 0.05, "foreach": False}, 4)
+    assert h.max_abs_diff(fused, looped) < 1e-7
+
+
+def test_no_host_sync_while_accumulating_and_one_per_step() -> None:
+    net = h.regression_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    accumulator = GradAccumulator(net.parameters(), 4, scaling="weighted", max_grad_norm=1.0)
+    x, y = h.regression_data(16).tensors
+    counter = SyncCounter()
+    with counter.patched():
+        for index in range(4):
+            loss = h.mse(net, x[index * 4 : index * 4 + 4], y[index * 4 : index * 4 + 4])
+            items = torch.tensor(4)
+            with counter.counting():
+                accumulator.backward(loss, items=items)
+        assert counter.calls == []
+        with counter.counting():
+            assert accumulator.finalize()
+            optimizer.step()
+            _ = accumulator.stats  # already on the host: no second sync
+        assert counter.calls == ["tolist"]
+
+
+def test_ignore_policy_does_not_sync_at_the_boundary() -> None:
+    net = nn.Linear(3, 1)
+    accumulator = GradAccumulator(net.parameters(), 2, overflow="ignore", max_grad_norm=1.0)
+    counter = SyncCounter()
+    with counter.patched(), counter.counting():
+        for _ in range(2):
+            accumulator.backward(net(torch.randn(4, 3)).sum(), items=4)
+        accumulator.finalize()
+    assert counter.calls == []
+    assert accumulator.stats.optimizer_steps == 1
+
+
+def test_tensor_item_count_is_checked_at_the_boundary() -> None:
+    net = nn.Linear(3, 1)
+    accumulator = GradAccumulator(net.parameters(), 1, scaling="weighted")
+    accumulator.backward(net(torch.randn(4, 3)).sum(), items=torch.tensor(0))
+    with pytest.raises(ValueError, match="not a positive integer"):
+        accumulator.finalize()
+
+
+@pytest.mark.parametrize(
+    ("items", "error", "match"),
+    [
+        (0, ValueError, "positive integer, but got 0"),
+        (-3, ValueError, "positive integer, but got -3"),
+        (2.5, TypeError, "positive integer, but got 2.5"),
+        (True, TypeError, "positive integer, but got True"),
+        (torch.tensor(2.0), TypeError, "dtype torch.float32"),
+        (torch.tensor([1, 2]), TypeError, r"shape \(2,\)"),
+    ],
+)
+def test_bad_item_counts_raise_at_record(items: object, error: type[Exception], match: str) -> None:
+    accumulator = GradAccumulator([torch.zeros(1, requires_grad=True)], scaling="weighted")
+    with pytest.raises(error, match=match):
+        accumulator.record(items)  # type: ignore[arg-type]
+
+
+def test_weighted_needs_items() -> None:
+    accumulator = GradAccumulator([torch.zeros(1, requires_grad=True)], scaling="weighted")
+    with pytest.raises(ValueError, match="needs the item count"):
+        accumulator.record()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"accumulation_steps": 0}, ValueError, "`accumulation_steps` to be a positive int, but got 0"),
+        ({"accumulation_steps": 2.0}, TypeError, "`accumulation_steps` to be a positive int, but got 2.0"),
+        ({"accumulation_steps": True}, TypeError, "`accumulation_steps` to be a positive int, but got True"),
+        ({"scaling": "median"}, ValueError, "`scaling` to be one of .* but got 'median'"),
+        ({"overflow": "retry"}, ValueError, "`overflow` to be one of .* but got 'retry'"),
+        ({"max_grad_norm": 0.0}, ValueError, "`max_grad_norm` to be a positive float or None, but got 0.0"),
+        (
+            {"max_grad_norm": math.nan},
+            ValueError,
+            "`max_grad_norm` to be a positive float or None, but got nan",
+        ),
+        ({"clip_value": -1}, ValueError, "`clip_value` to be a positive float or None, but got -1"),
+        ({"norm_type": 0}, ValueError, "`norm_type` to be a float > 0 or inf, but got 0"),
+        ({"world_size": 0}, ValueError, "`world_size` to be a positive int, but got 0"),
+    ],
+)
+def test_invalid_core_arguments(kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        GradAccumulator([torch.zeros(1, requires_grad=True)], **kwargs)
+
+
+def test_no_trainable_parameters_is_an_error() -> None:
+    with pytest.raises(ValueError, match="at least one parameter with requires_grad"):
+        GradAccumulator([torch.zeros(1)])
+
+
+def test_k_cannot_change_inside_a_window() -> None:
+    param = torch.zeros(1, requires_grad=True)
+    accumulator = GradAccumulator([param], 4)
+    accumulator.record()
+    with pytest.raises(RuntimeError, match="inside an open window"):
+        accumulator.accumulation_steps = 2
+    accumulator.reset()
+    accumulator.accumulation_steps = 2
+    assert accumulator.stats.accumulation_steps == 2
+
+
+def test_finalize_without_micro_batches_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="no micro-batch was recorded"):
+        GradAccumulator([torch.zeros(1, requires_grad=True)]).finalize()
+
+
+def test_state_dict_round_trip_keeps_counters(tmp_path: object) -> None:
+    _, accumulator = run_plain_loop({"max_grad_norm": 0.5}, 4, nan_at=(1,))
+    path = f"{tmp_path}/state.pt"
+    torch.save(accumulator.state_dict(), path)
+    restored = GradAccumulator([torch.zeros(1, requires_grad=True)], 4)
+    restored.load_state_dict(torch.load(path, weights_only=True))
+    assert restored.stats == accumulator.stats.__class__(
+        **{
+            **accumulator.stats.as_dict(),
+            "num_parameters": 1,
+            "peak_memory_bytes": accumulator.stats.peak_memory_bytes,
+        }
+    )
+    with pytest.raises(ValueError, match="version 99"):
+        restored.load_state_dict({"version": 99})
+
+
+def test_reset_discards_the_window_and_keeps_lifetime_counters() -> None:
+    _, accumulator = run_plain_loop({}, 4)
+    net = nn.Linear(2, 1)
+    accumulator = GradAccumulator(net.parameters(), 4)
+    accumulator.backward(net(torch.ones(1, 2)).sum())
+    accumulator.reset()
+    assert accumulator.current_step == 0
+    assert all(p.grad is None for p in net.parameters())
+    assert accumulator.stats.total_micro_batches == 1
+
+
+def test_core_imports_without_lightning() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        import lightning_gradacc.core
+        from lightning_gradacc import GradAccumulator, AccumulationStats
+        loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('pytorch_lightning', 'lightning'))
+        assert not loaded, loaded
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
