@@ -13,6 +13,7 @@ from pytorch_lightning.callbacks import GradientAccumulationScheduler
 from pytorch_lightning.strategies import FSDPStrategy, SingleDeviceStrategy
 
 from lightning_gradacc import AccumulationStats, GradientAccumulationCallback
+from lightning_gradacc.callback import LOGGED_NAMES
 from tests import helpers as h
 from tests.syncs import SyncCounter
 
@@ -27,9 +28,9 @@ def test_logs_one_point_per_optimizer_step_with_exact_values() -> None:
     callback = GradientAccumulationCallback(4, scaling="weighted")
     module = h.RegressionModule(h.regression_data(40))
     h.trainer(callbacks=[callback], logger=recorder, log_every_n_steps=1).fit(module)
-    assert h.series_steps(recorder, "grad_accum/items_last_step") == [0, 1, 2]
-    assert [v for _, v in recorder.series("grad_accum/items_last_step")] == [16, 16, 8]
-    assert [v for _, v in recorder.series("grad_accum/micro_batches_last_step")] == [4, 4, 2]
+    assert h.series_steps(recorder, "grad_accum/items_per_step") == [0, 1, 2]
+    assert [v for _, v in recorder.series("grad_accum/items_per_step")] == [16, 16, 8]
+    assert [v for _, v in recorder.series("grad_accum/micro_batches_per_step")] == [4, 4, 2]
     assert [v for _, v in recorder.series("grad_accum/accumulation_steps")] == [4, 4, 4]
     losses: list[float] = []
     h.big_batch_reference(
@@ -37,8 +38,9 @@ def test_logs_one_point_per_optimizer_step_with_exact_values() -> None:
     )
     logged = [v for _, v in recorder.series("grad_accum/window_loss")]
     assert logged == pytest.approx(losses, rel=1e-5)  # the mean loss over the whole window
-    expected_keys = {f"grad_accum/{name}" for name in AccumulationStats().as_dict() if name != "current_step"}
-    assert expected_keys | {"grad_accum/window_loss"} <= set(recorder.records[0][1])
+    expected_keys = {f"grad_accum/{tag}" for tag in LOGGED_NAMES.values()} | {"grad_accum/window_loss"}
+    assert expected_keys <= set(recorder.records[0][1])
+    assert set(LOGGED_NAMES) == set(AccumulationStats().as_dict()) - {"current_step"}
 
 
 def test_respects_log_every_n_steps_and_log_stats() -> None:

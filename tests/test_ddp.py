@@ -33,7 +33,7 @@ def test_ddp_mean_with_partial_window_matches_single_process_big_batch() -> None
     )
     assert h.max_abs_diff(module.net, expected) < 1e-6
     metrics = trainer.callback_metrics
-    assert float(metrics["grad_accum/items_last_step"]) == 8  # 1 micro-batch x 4 items x 2 ranks
+    assert float(metrics["grad_accum/items_per_step"]) == 8  # 1 micro-batch x 4 items x 2 ranks
     assert float(metrics["grad_accum/optimizer_steps"]) == 3
 
 
@@ -46,7 +46,7 @@ def test_ddp_weighted_uneven_tokens_per_rank_matches_single_process_big_batch() 
     expected = h.big_batch_reference(h.token_net(), data, 2 * WORLD, h.windows(6, 4), h.token_loss, lr=0.5)
     assert h.max_abs_diff(module.net, expected) < 1e-6
     tokens_last_window = int((data.tensors[1][16:] != h.IGNORE_INDEX).sum())
-    assert float(trainer.callback_metrics["grad_accum/items_last_step"]) == tokens_last_window
+    assert float(trainer.callback_metrics["grad_accum/items_per_step"]) == tokens_last_window
     # the per-rank token counts really are uneven in these windows
     per_rank = [int((data.tensors[1][rank::WORLD] != h.IGNORE_INDEX).sum()) for rank in range(WORLD)]
     assert per_rank[0] != per_rank[1]

@@ -31,7 +31,24 @@ from .schedule import AccumulationPlan
 from .stats import AccumulationStats
 
 _STATE_VERSION = 1
-ItemCountFn = Callable[[Any], "int | Tensor"]
+# Logged tag (under "grad_accum/") of each statistic; per-step quantities read better without "last".
+LOGGED_NAMES = {
+    "accumulation_steps": "accumulation_steps",
+    "optimizer_steps": "optimizer_steps",
+    "total_micro_batches": "total_micro_batches",
+    "skipped_steps": "skipped_steps",
+    "overflow_count": "overflow_count",
+    "clip_count": "clip_count",
+    "last_grad_norm": "grad_norm",
+    "max_grad_norm_seen": "max_grad_norm_seen",
+    "items_last_step": "items_per_step",
+    "micro_batches_last_step": "micro_batches_per_step",
+    "num_parameters": "num_parameters",
+    "buffer_bytes": "buffer_bytes",
+    "peak_memory_bytes": "peak_memory_bytes",
+}
+# Returns int | Tensor. Annotated Any: jsonargparse rejects a function returning just `int` for a union.
+ItemCountFn = Callable[[Any], Any]
 
 
 class GradientAccumulationCallback(Callback):
@@ -349,14 +366,11 @@ class GradientAccumulationCallback(Callback):
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1)
 
     def metrics(self) -> dict[str, float]:
-        """The logged scalars: every statistic but ``current_step``, plus ``window_loss``."""
+        """The logged scalars: the statistics but ``current_step`` (``LOGGED_NAMES``), and ``window_loss``."""
         if self._accumulator is None:
             return {}
-        logged = {
-            f"grad_accum/{name}": float(value)
-            for name, value in self._accumulator.stats.as_dict().items()
-            if name != "current_step"
-        }
+        stats = self._accumulator.stats.as_dict()
+        logged = {f"grad_accum/{tag}": float(stats[name]) for name, tag in LOGGED_NAMES.items()}
         logged["grad_accum/window_loss"] = self._accumulator.window_loss
         return logged
 
