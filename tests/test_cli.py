@@ -1,0 +1,135 @@
+"""The YAML configs and the ``lightning-gradacc`` command."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_gradacc import GradientAccumulationCallback
+from lightning_gradacc.cli import build_cli
+from lightning_gradacc.counters import count_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+SINGLE_PROCESS = [path for path in CONFIGS if path.stem != "ddp_cpu"]
+QUICK = [
+    "--trainer.max_epochs=2",
+    "--trainer.limit_train_batches=6",
+    "--trainer.limit_val_batches=2",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+]
+
+
+def the_callback(cli) -> GradientAccumulationCallback:
+    found = [c for c in cli.trainer.callbacks if isinstance(c, GradientAccumulationCallback)]
+    assert len(found) == 1
+    return found[0]
+
+
+def test_all_five_configs_exist() -> None:
+    assert {p.stem for p in CONFIGS} == {"quickstart", "token_lm", "schedule", "target_batch", "ddp_cpu"}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_config_parses_and_instantiates(config: Path, tmp_path: Path) -> None:
+    cli = build_cli(["--config", str(config), f"--trainer.default_root_dir={tmp_path}"], run=False)
+    callback = the_callback(cli)
+    raw = yaml.safe_load(config.read_text())["trainer"]["callbacks"][0]["init_args"]
+    if "accumulation_steps" in raw:
+        expected = raw["accumulation_steps"]
+        assert (callback.plan.schedule or callback.plan.fixed) == expected
+    else:
+        assert callback.plan.target_batch_size == raw["target_batch_size"]
+    assert callback.max_grad_norm == raw.get("max_grad_norm")
+
+
+def test_token_lm_config_resolves_the_counter_import_path(tmp_path: Path) -> None:
+    cli = build_cli(["--config", str(ROOT / "configs/token_lm.yaml")], run=False)
+    callback = the_callback(cli)
+    assert callback.scaling == "weighted"
+    assert callback.item_count_fn is count_tokens
+
+
+def test_every_callback_argument_is_settable_from_yaml(tmp_path: Path) -> None:
+    config = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
+    config["trainer"]["callbacks"][0]["init_args"] = {
+        "accumulation_steps": {0: 2, 3: 8},
+        "scaling": "dynamic",
+        "item_count_fn": "lightning_gradacc.counters.count_samples",
+        "max_grad_norm": 0.5,
+        "norm_type": math.inf,  # written as .inf, YAML's infinity
+        "clip_value": 0.1,
+        "overflow": "raise",
+        "log_stats": False,
+    }
+    path = tmp_path / "all.yaml"
+    path.write_text(yaml.safe_dump(config))
+    callback = the_callback(build_cli(["--config", str(path)], run=False))
+    assert callback.plan.schedule == {0: 2, 3: 8}
+    assert callback.scaling == "weighted"
+    assert callback.item_count_fn.__name__ == "count_samples"
+    assert (callback.max_grad_norm, callback.norm_type, callback.clip_value) == (0.5, math.inf, 0.1)
+    assert (callback.overflow, callback.log_stats) == ("raise", False)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "--trainer.callbacks.init_args.accumulation_steps=8",
+        "--trainer.callbacks.init_args.accumulation_steps 8",
+    ],
+)
+def test_callback_arguments_can_be_overridden_on_the_command_line(override: str) -> None:
+    args = ["--config", str(ROOT / "configs/quickstart.yaml"), *override.split(" ")]
+    callback = the_callback(build_cli(args, run=False))
+    assert callback.plan.fixed == 8
+    assert callback.max_grad_norm == 1.0  # the rest of the config is kept
+
+
+def test_invalid_yaml_value_is_reported_with_the_argument_name(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--config", str(ROOT / "configs/quickstart.yaml"), "--trainer.callbacks.init_args.scaling=median"]
+    with pytest.raises(SystemExit):
+        build_cli(args, run=False)
+    error = capsys.readouterr().err
+    assert "scaling" in error and "median" in error
+
+
+@pytest.mark.parametrize("config", SINGLE_PROCESS, ids=lambda p: p.stem)
+def test_config_runs_end_to_end(config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["fit", "--config", str(config), *QUICK, f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    cli = build_cli(args)
+    callback = the_callback(cli)
+    assert callback.stats.optimizer_steps == cli.trainer.global_step > 0
+    out = capsys.readouterr().out
+    assert "Gradient accumulation summary" in out
+    assert f"optimizer steps{' ' * 14}{callback.stats.optimizer_steps}" in out.replace("  ", " " * 2)
+    assert str(tmp_path) in out
+    assert list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_ddp_config_runs_on_two_cpu_processes_with_the_console_script(tmp_path: Path) -> None:
+    command = Path(sys.executable).parent / "lightning-gradacc"
+    args = [str(command), "fit", "--config", str(ROOT / "configs/ddp_cpu.yaml"), *QUICK]
+    args.append(f"--trainer.logger.init_args.save_dir={tmp_path}")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("Gradient accumulation summary") == 1  # printed by rank 0 only
+    # 6 micro-batches per rank and epoch, K=2: 3 steps per epoch; 32 x 2 x 2 ranks per step
+    assert "optimizer steps              6" in result.stdout
+    assert "128 per full step; 128 in the last step (2 of 2 micro-batches)" in result.stdout
+
+
+def test_python_dash_m_entry_point() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_gradacc", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0
+    assert all(sub in result.stdout for sub in ("fit", "validate", "test", "predict"))
