@@ -11,7 +11,7 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "partial_window.py"
 
 
-def test_partial_window_example_shows_the_builtin_error_and_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+def test_partial_window_example_shows_builtin_error_and_fix(capsys: pytest.CaptureFixture[str]) -> None:
     runpy.run_path(str(EXAMPLE), run_name="__main__")
     rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\| (10|padded)", line)]
     assert len(rows) == 2
