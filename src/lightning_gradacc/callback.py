@@ -20,7 +20,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from .core import GradAccumulator
+from .core.buffers import resolve_accumulation_dtype
 from .core.validation import (
+    check_buffer_settings,
+    check_clip_mode,
     check_item_count,
     check_norm_type,
     check_optional_positive_float,
@@ -51,6 +54,11 @@ LOGGED_NAMES = {
 ItemCountFn = Callable[[Any], Any]
 
 
+def _should_accumulate(trainer: pl.Trainer) -> bool:
+    """Whether the current micro-batch does not end a window (Lightning's own, private, test)."""
+    return bool(trainer.fit_loop._should_accumulate())
+
+
 class GradientAccumulationCallback(Callback):
     """Exact, observable gradient accumulation for automatic optimization.
 
@@ -72,10 +80,16 @@ class GradientAccumulationCallback(Callback):
         norm_type: Order of the norm (any ``p > 0``, or ``inf``).
         clip_value: Clamp each gradient element to ``[-clip_value, clip_value]`` once per step.
         overflow: Non-finite gradient policy: ``"skip"`` the step, ``"raise"``
-            :class:`~lightning_gradacc.GradientOverflowError`, or ``"ignore"`` (count only). Under a
-            ``GradScaler`` (``precision="16-mixed"``) the scaler skips such steps itself; they are counted.
+            :class:`~lightning_gradacc.GradientOverflowError`, ``"ignore"`` (count only), or
+            ``"skip_micro_batch"``: drop only the micro-batch whose gradient is not finite (needs
+            ``accumulation_dtype``). Under a ``GradScaler`` (``precision="16-mixed"``) the scaler skips
+            such steps itself; they are counted.
         log_stats: Log the statistics under ``grad_accum/`` at every optimizer step (respecting
             ``log_every_n_steps``) to the Trainer's loggers.
+        accumulation_dtype: Accumulate in buffers of this dtype, e.g. ``"float32"`` with
+            ``precision="bf16-true"``, instead of in the parameters' dtype.
+        clip_mode: ``"step"`` clips the final gradient; ``"micro_batch"`` clips each micro-batch's own
+            gradient to ``max_grad_norm`` before it is added (needs ``accumulation_dtype``).
 
     Example:
         >>> from pytorch_lightning import Trainer
@@ -96,8 +110,10 @@ class GradientAccumulationCallback(Callback):
         max_grad_norm: float | None = None,
         norm_type: float = 2.0,
         clip_value: float | None = None,
-        overflow: Literal["skip", "raise", "ignore"] = "skip",
+        overflow: Literal["skip", "raise", "ignore", "skip_micro_batch"] = "skip",
         log_stats: bool = True,
+        accumulation_dtype: str | None = None,
+        clip_mode: Literal["step", "micro_batch"] = "step",
     ) -> None:
         self.plan = AccumulationPlan(accumulation_steps, target_batch_size)
         self.scaling = check_scaling(scaling)
@@ -117,6 +133,9 @@ class GradientAccumulationCallback(Callback):
         self.norm_type = check_norm_type(norm_type)
         self.clip_value = check_optional_positive_float("clip_value", clip_value)
         self.overflow = check_overflow(overflow)
+        self.accumulation_dtype = resolve_accumulation_dtype(accumulation_dtype)
+        self.clip_mode = check_clip_mode(clip_mode)
+        check_buffer_settings(self.overflow, self.clip_mode, self.accumulation_dtype, self.max_grad_norm)
         if not isinstance(log_stats, bool):
             raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
         self.log_stats = log_stats
@@ -170,6 +189,12 @@ class GradientAccumulationCallback(Callback):
                 " is clipped twice. Remove `gradient_clip_val` from the Trainer."
             )
         self._scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if self._scaler is not None and self.overflow == "skip_micro_batch":
+            raise RuntimeError(
+                "`overflow='skip_micro_batch'` cannot be used with a GradScaler (`precision='16-mixed'`): the"
+                " scaler must see every overflow to lower its scale. Use `overflow='skip'` (the scaler skips"
+                " the window) or bf16."
+            )
         if self._scaler is not None and self.overflow != "skip":
             rank_zero_warn(
                 f"`overflow={self.overflow!r}` cannot take effect under a GradScaler"
@@ -262,6 +287,8 @@ class GradientAccumulationCallback(Callback):
             overflow=self.overflow,
             world_size=world_size,
             all_reduce=all_reduce_sum if world_size > 1 else None,
+            accumulation_dtype=self.accumulation_dtype,
+            clip_mode=self.clip_mode,
         )
         # Lifetime counters survive a second `fit()` and a resume from a checkpoint.
         state = (
@@ -309,20 +336,36 @@ class GradientAccumulationCallback(Callback):
                 ) from error
             self._pending_items = None
 
+    def _amp_scale(self) -> Tensor | None:
+        # The GradScaler's scale as a device tensor: `get_scale()` would sync with the host.
+        scale = getattr(self._scaler, "_scale", None) if self._scaler is not None else None
+        return scale if isinstance(scale, Tensor) else None
+
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        assert self._accumulator is not None
         # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed.
         unscaled = loss.detach() * trainer.accumulate_grad_batches
-        scale = getattr(self._scaler, "_scale", None) if self._scaler is not None else None
-        self._pending_loss = unscaled / scale if isinstance(scale, Tensor) else unscaled
+        scale = self._amp_scale()
+        self._pending_loss = unscaled / scale if scale is not None else unscaled
         if self.scaling == "weighted" and self._pending_items is not None:
             weight = self._pending_items
             loss.mul_(weight.to(loss.device, non_blocking=True) if isinstance(weight, Tensor) else weight)
+        if (trainer.world_size > 1 or self._scaler is not None) and not _should_accumulate(trainer):
+            # Buffers go back into .grad before the last backward of the window, so that DDP's one
+            # all-reduce carries the whole window and the GradScaler unscales and checks all of it.
+            self._accumulator.flush_to_grad()
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._accumulator is not None
-        self._accumulator.record(self._pending_items, self._pending_loss)
+        scale = self._amp_scale()
+        grad_scale = 1.0 / trainer.accumulate_grad_batches
+        self._accumulator.record(
+            self._pending_items,
+            self._pending_loss,
+            grad_scale=grad_scale * scale if scale is not None else grad_scale,
+        )
         self._pending_loss = None
 
     # ---------------------------------------------------------------------------------------- boundary

@@ -4,6 +4,7 @@ Each returns the number of items a micro-batch's loss is a mean over. Tensor res
 device: counting never syncs with the host.
 
 Example:
+    >>> import torch
     >>> batch = {"input_ids": torch.zeros(2, 3), "labels": torch.tensor([[1, 2, -100], [3, -100, -100]])}
     >>> count_tokens(batch)
     tensor(3)
@@ -75,6 +76,7 @@ class TokenCounter:
         ignore_index: The label value of padding positions.
 
     Example:
+        >>> import torch
         >>> TokenCounter(ignore_index=0)((torch.zeros(2), torch.tensor([[5, 0], [7, 8]])))
         tensor(3)
     """

@@ -32,9 +32,10 @@ def format_summary(
         >>> print(format_summary(AccumulationStats(accumulation_steps=4, optimizer_steps=3), 0.5, None))
         Gradient accumulation summary
         ---------------------------------------------------------------
-        optimizer steps                 3
-        accumulation steps (K)          4
+        optimizer steps              3
+        accumulation steps (K)       4
         ...
+        logs                         no logger
     """
     k = stats.accumulation_steps
     rows = [

@@ -13,6 +13,7 @@ Host syncs: none while accumulating; at most one per optimizer step, and only wh
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -20,10 +21,13 @@ import torch
 from torch import Tensor
 
 from ..stats import AccumulationStats
+from .buffers import GradBuffers, resolve_accumulation_dtype
 from .errors import GradientOverflowError
 from .kernels import clamp_, non_finite_names, scale_, total_norm
 from .memory import WindowPeakMemory
 from .validation import (
+    check_buffer_settings,
+    check_clip_mode,
     check_item_count,
     check_norm_type,
     check_optional_positive_float,
@@ -79,13 +83,18 @@ class GradAccumulator:
         clip_value: Clamp every element of the final gradient to ``[-clip_value, clip_value]``.
         overflow: What to do with a non-finite gradient: ``"skip"`` the step (gradients set to None,
             so torch optimizers change neither parameters nor state), ``"raise"``
-            :class:`GradientOverflowError`, or ``"ignore"`` (count only).
+            :class:`GradientOverflowError`, ``"ignore"`` (count only), or ``"skip_micro_batch"``: drop
+            just the micro-batch whose gradient is not finite (its items do not count) and keep the
+            window (needs ``accumulation_dtype``).
         world_size: Data-parallel ranks whose gradients are averaged at the last backward (as DDP does).
             ``None``: taken from ``torch.distributed`` when initialized, else 1.
         all_reduce: Sums a small tensor over ranks in place and returns it; used once per step when
             ``world_size > 1``. ``None``: ``torch.distributed.all_reduce``.
-        foreach: ``None`` uses fused ``torch._foreach_*`` kernels where possible; ``False`` forces the
-            per-tensor path; ``True`` raises where foreach cannot be used.
+        foreach: ``None`` or ``True`` use fused ``torch._foreach_*`` kernels; ``False`` a per-tensor loop.
+        accumulation_dtype: Accumulate in buffers of this dtype (e.g. ``"float32"`` for bf16 parameters)
+            instead of ``.grad``; costs exactly the buffers' memory and one fused pass per micro-batch.
+        clip_mode: ``"step"`` clips the window's final gradient; ``"micro_batch"`` clips each
+            micro-batch's own gradient to ``max_grad_norm`` before it is added (needs buffers).
 
     Example:
         A complete loop with 10 micro-batches and K=4: windows of 4, 4 and a partial window of 2, each
@@ -121,6 +130,8 @@ class GradAccumulator:
         world_size: int | None = None,
         all_reduce: AllReduce | None = None,
         foreach: bool | None = None,
+        accumulation_dtype: str | torch.dtype | None = None,
+        clip_mode: str = "step",
     ) -> None:
         self._accumulation_steps = check_positive_int("accumulation_steps", accumulation_steps)
         self.scaling = check_scaling(scaling)
@@ -128,6 +139,9 @@ class GradAccumulator:
         self.norm_type = check_norm_type(norm_type)
         self.clip_value = check_optional_positive_float("clip_value", clip_value)
         self.overflow = check_overflow(overflow)
+        self.clip_mode = check_clip_mode(clip_mode)
+        self.accumulation_dtype = resolve_accumulation_dtype(accumulation_dtype)
+        check_buffer_settings(self.overflow, self.clip_mode, self.accumulation_dtype, self.max_grad_norm)
         if world_size is not None:
             check_positive_int("world_size", world_size)
         self._world_size = world_size
@@ -139,6 +153,20 @@ class GradAccumulator:
                 "Expected argument `parameters` to hold at least one parameter with requires_grad."
             )
         self.device = self._named[0][1].device
+        self._buffers = (
+            GradBuffers(self._named, self.accumulation_dtype, foreach)
+            if self.accumulation_dtype is not None
+            else None
+        )
+        if self._buffers is not None and self.overflow != "skip_micro_batch" and self.clip_mode == "step":
+            same = all(param.dtype == self.accumulation_dtype for _, param in self._named)
+            if same:
+                warnings.warn(
+                    f"`accumulation_dtype={self.accumulation_dtype}` changes nothing: the parameters are"
+                    f" already {self.accumulation_dtype} (e.g. 'bf16-mixed' keeps float32 weights). Leave it"
+                    " unset to save the buffers' memory.",
+                    stacklevel=2,
+                )
         self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self._memory = WindowPeakMemory(self.device)
         # Lifetime counters kept on the host (they never depend on tensor values).
@@ -174,6 +202,11 @@ class GradAccumulator:
         self._min_items_device: Tensor | None = None
         self._loss_sum: Tensor | float = 0.0
         self._loss_weight: Tensor | float = 0.0
+        self._dropped: Tensor | None = None  # micro-batches dropped by "skip_micro_batch" (device)
+        self._micro_clips: Tensor | None = None  # micro-batches clipped by clip_mode="micro_batch"
+        self._flushed = False  # buffers written to .grad for a synchronizing backward
+        if self._buffers is not None:
+            self._buffers.discard()
         self._memory.start()
 
     @property
@@ -229,8 +262,14 @@ class GradAccumulator:
         weighted.backward()  # type: ignore[no-untyped-call]
         self.record(items, loss.detach())
 
-    def record(self, items: int | Tensor | None = None, loss: Tensor | float | None = None) -> None:
-        """Count a micro-batch whose gradient has been added to ``.grad``.
+    def record(
+        self,
+        items: int | Tensor | None = None,
+        loss: Tensor | float | None = None,
+        *,
+        grad_scale: float | Tensor = 1.0,
+    ) -> None:
+        """Count a micro-batch whose gradient has been added to ``.grad`` (and move it to the buffers).
 
         The backward pass must have used ``loss * loss_weight(items)``. Never syncs with the device.
 
@@ -238,33 +277,90 @@ class GradAccumulator:
             items: Samples or tokens in the micro-batch (int or integer scalar tensor). Required for
                 ``"weighted"``; elsewhere only used for statistics.
             loss: The micro-batch's unweighted loss, for ``window_loss`` in the statistics.
+            grad_scale: The factor the loss was multiplied by besides :meth:`loss_weight` (Lightning's
+                1/K, times the AMP scale under a GradScaler); used by ``clip_mode="micro_batch"``.
         """
         if items is not None:
             items = check_item_count(items, "argument `items`")
         elif self.scaling == "weighted":
             raise ValueError("`scaling='weighted'` needs the item count of every micro-batch (`items=`).")
-        if isinstance(items, Tensor):
-            counted = items.to(torch.int64)
-            self._items_device = counted if self._items_device is None else self._items_device + counted
-            self._min_items_device = (
-                counted if self._min_items_device is None else torch.minimum(self._min_items_device, counted)
+        keep = self._absorb(items, grad_scale) if self._buffers is not None and not self._flushed else None
+        kept_items: int | Tensor | None = items
+        if keep is not None and items is not None:
+            kept_items = (
+                items.to(self.device) * keep if isinstance(items, Tensor) else keep.to(torch.int64) * items
             )
-        elif items is not None:
-            self._items_host += items
-        if loss is not None:
-            weight: int | Tensor = 1 if items is None else items
-            if isinstance(loss, Tensor):
-                if isinstance(weight, Tensor):
-                    weight = weight.to(loss.device, non_blocking=True)
-                contribution: Tensor | float = loss.detach().to(self._ledger_dtype) * weight
-            else:
-                contribution = (
-                    float(loss) * weight if not isinstance(weight, Tensor) else weight * float(loss)
+        if isinstance(kept_items, Tensor):
+            counted = kept_items.to(torch.int64)
+            self._items_device = counted if self._items_device is None else self._items_device + counted
+            if isinstance(items, Tensor):  # an int was checked at once; a tensor is checked at the boundary
+                valid = items.to(torch.int64) if keep is None else torch.where(keep, items.to(keep.device), 1)
+                self._min_items_device = (
+                    valid if self._min_items_device is None else torch.minimum(self._min_items_device, valid)
                 )
-            self._loss_sum = self._loss_sum + contribution
-            self._loss_weight = self._loss_weight + weight
+        elif kept_items is not None:
+            self._items_host += kept_items
+        if loss is not None:
+            self._add_loss(loss, items, keep)
         self._micro_batches += 1
         self._total_micro_batches += 1
+
+    def _add_loss(self, loss: Tensor | float, items: int | Tensor | None, keep: Tensor | None) -> None:
+        weight: int | Tensor = 1 if items is None else items
+        if isinstance(loss, Tensor):
+            if isinstance(weight, Tensor):
+                weight = weight.to(loss.device, non_blocking=True)
+            contribution: Tensor | float = loss.detach().to(self._ledger_dtype) * weight
+        else:
+            contribution = float(loss) * weight if not isinstance(weight, Tensor) else weight * float(loss)
+        if keep is not None:  # a dropped micro-batch's loss is often nan: select, don't multiply
+            contribution = torch.where(keep, self._scalar(contribution), 0.0)
+            weight = keep.to(self._ledger_dtype) * (
+                weight.to(keep.device) if isinstance(weight, Tensor) else weight
+            )
+        self._loss_sum = self._loss_sum + contribution
+        self._loss_weight = self._loss_weight + weight
+
+    def _absorb(self, items: int | Tensor | None, grad_scale: float | Tensor) -> Tensor | None:
+        """Move this micro-batch's ``.grad`` into the buffers; returns whether it was kept (or None)."""
+        assert self._buffers is not None
+        keep: Tensor | None = None
+        multiplier: Tensor | None = None
+        if self.overflow == "skip_micro_batch" or self.clip_mode == "micro_batch":
+            grads = [param.grad for _, param in self._named if param.grad is not None]
+            norm = total_norm(grads, self.norm_type, device=self.device, foreach=self.foreach)
+            finite = torch.isfinite(norm)
+            if self.overflow == "skip_micro_batch":
+                bad = (~finite).to(self._ledger_dtype)
+                world_size, all_reduce = self._world()
+                if world_size > 1 and all_reduce is not None:  # every rank drops the same micro-batch
+                    bad = all_reduce(bad.reshape(1)).reshape(())
+                keep = bad == 0
+                self._dropped = (
+                    bad.clamp(max=1) if self._dropped is None else self._dropped + bad.clamp(max=1)
+                )
+            if self.clip_mode == "micro_batch":
+                assert self.max_grad_norm is not None
+                weight = self.loss_weight(items)
+                own_norm = norm / (self._scalar(weight).to(norm.dtype) * grad_scale).abs()
+                coefficient = torch.clamp(self.max_grad_norm / (own_norm + 1e-6), max=1.0)
+                clipped = ((coefficient < 1.0) & finite).to(self._ledger_dtype)
+                self._micro_clips = clipped if self._micro_clips is None else self._micro_clips + clipped
+                multiplier = torch.where(finite, coefficient, 1.0)
+        self._buffers.absorb(keep, multiplier)
+        return keep
+
+    def flush_to_grad(self) -> None:
+        """Write the buffered window into ``.grad`` so that the next backward adds to it.
+
+        Call it before the backward that DDP synchronizes (its all-reduce then carries the whole window:
+        one gradient all-reduce per step, as without buffers) or that a GradScaler unscales and checks.
+        That micro-batch is then not checked on its own: a non-finite gradient in it makes the whole
+        window non-finite. Without buffers this does nothing.
+        """
+        if self._buffers is not None and not self._flushed:
+            self._buffers.write_to_grads()
+            self._flushed = True
 
     # ---------------------------------------------------------------------------------------- boundary
 
@@ -297,7 +393,14 @@ class GradAccumulator:
         """
         if self._micro_batches == 0:
             raise RuntimeError("`finalize()` was called, but no micro-batch was recorded in this window.")
-        named = [(name, param.grad) for name, param in self._named if param.grad is not None]
+        from_buffers = self._buffers is not None and self._buffers.holds_window and not self._flushed
+        if from_buffers:
+            assert self._buffers is not None
+            named = [
+                (name, buffer) for (name, _), buffer in zip(self._named, self._buffers.tensors, strict=True)
+            ]
+        else:
+            named = [(name, param.grad) for name, param in self._named if param.grad is not None]
         for name, grad in named:
             if grad.is_sparse:
                 raise TypeError(f"Sparse gradients are not supported (parameter `{name}`).")
@@ -309,6 +412,8 @@ class GradAccumulator:
         raw_norm = total_norm(grads, self.norm_type, device=self.device, foreach=self.foreach)
         norm = raw_norm.to(self._ledger_dtype) * factor
         finite = torch.isfinite(norm)
+        if self._dropped is not None:  # every micro-batch dropped: nothing to step with
+            finite = finite & (self._dropped < self._micro_batches)
         multiplier: Tensor | float = factor
         clipped = torch.zeros((), dtype=torch.bool, device=self.device)
         if self.max_grad_norm is not None:
@@ -325,14 +430,17 @@ class GradAccumulator:
         clipped = clipped & finite
 
         nonfinite = (~finite).to(self._ledger_dtype)
-        skips = overflow_handled_externally or self.overflow == "skip"
+        skips = overflow_handled_externally or self.overflow in ("skip", "skip_micro_batch")
+        overflows = nonfinite if self._dropped is None else nonfinite + self._dropped
+        if self._micro_clips is not None:
+            clipped = clipped | (self._micro_clips > 0)
         bad_items = (
             (self._min_items_device < 1).to(self._ledger_dtype)
             if self._min_items_device is not None
             else self._scalar(0.0)
         )
         self._update_ledger(
-            nonfinite=nonfinite,
+            nonfinite=overflows,
             skipped=nonfinite if skips else torch.zeros_like(nonfinite),
             clipped=clipped.to(self._ledger_dtype),
             norm=norm,
@@ -342,25 +450,33 @@ class GradAccumulator:
             else math.nan,
             bad_items=bad_items,
         )
-        k = self._micro_batches
-        self._micro_batches_last_step = k
+        self._micro_batches_last_step = self._micro_batches
         step = self._optimizer_steps
         self._optimizer_steps += 1
         self._peak_memory_bytes = self._memory.read()
-        self._open_window()
-
-        decides = not overflow_handled_externally and self.overflow in ("skip", "raise")
-        # The one host sync of this step, and only where a decision needs it.
-        if decides and not self._sync(finite):
-            if self.overflow == "raise":
-                raise GradientOverflowError(step, non_finite_names(named))
-            for _, param in self._named:
-                param.grad = None
-            return False
-        scale_(grads, multiplier, foreach=self.foreach)
-        if self.clip_value is not None:
-            clamp_(grads, self.clip_value, foreach=self.foreach)
-        return True
+        try:
+            decides = not overflow_handled_externally and self.overflow in (
+                "skip",
+                "raise",
+                "skip_micro_batch",
+            )
+            # The one host sync of this step, and only where a decision needs it.
+            if decides and not self._sync(finite):
+                if self.overflow == "raise":
+                    raise GradientOverflowError(step, non_finite_names(named))
+                for _, param in self._named:
+                    param.grad = None
+                return False
+            scale_(grads, multiplier, foreach=self.foreach)
+            if self.clip_value is not None:
+                clamp_(grads, self.clip_value, foreach=self.foreach)
+            if (
+                from_buffers and self._buffers is not None
+            ):  # one rounding to the parameters' dtype, at the end
+                self._buffers.write_to_grads()
+            return True
+        finally:
+            self._open_window()
 
     def step(self, optimizer: torch.optim.Optimizer, *, force: bool = False) -> bool:
         """Finalize and step ``optimizer`` when the window is full (or ``force``), then zero gradients.
@@ -394,6 +510,8 @@ class GradAccumulator:
     def _normalization(self, items: Tensor | float, grad_scale: float, world_size: int) -> Tensor | float:
         """The factor that turns ``.grad`` into the contract's gradient (see ARCHITECTURE.md section 2)."""
         if self.scaling == "mean":
+            if self._dropped is not None:
+                return 1.0 / ((self._micro_batches - self._dropped).clamp(min=1) * grad_scale)
             return 1.0 / (self._micro_batches * grad_scale)
         if self.scaling == "sum":
             return 1.0 / grad_scale
@@ -468,7 +586,7 @@ class GradAccumulator:
             items_last_step=int(ledger["items_last_step"]),
             micro_batches_last_step=self._micro_batches_last_step,
             num_parameters=sum(param.numel() for _, param in self._named),
-            buffer_bytes=0,
+            buffer_bytes=self._buffers.nbytes if self._buffers is not None else 0,
             peak_memory_bytes=self._peak_memory_bytes,
         )
 
@@ -479,8 +597,7 @@ class GradAccumulator:
         return self._host_ledger[_LOSS]
 
     def reset(self, *, set_grads_to_none: bool = True) -> None:
-        """Discard the open window (and its gradients, by default); lifetime counters are kept."""
-        self._micro_batches = 0
+        """Discard the open window (its buffers, and its gradients by default); lifetime counters are kept."""
         self._open_window()
         if set_grads_to_none:
             for _, param in self._named:

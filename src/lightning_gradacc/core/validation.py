@@ -11,7 +11,8 @@ from typing import Any, Literal, get_args
 import torch
 
 Scaling = Literal["mean", "sum", "weighted", "average", "dynamic"]
-OverflowPolicy = Literal["skip", "raise", "ignore"]
+OverflowPolicy = Literal["skip", "raise", "ignore", "skip_micro_batch"]
+ClipMode = Literal["step", "micro_batch"]
 
 _SCALING_ALIASES = {"average": "mean", "dynamic": "weighted"}
 
@@ -78,6 +79,20 @@ def check_overflow(value: Any) -> str:
     return str(value)
 
 
+def check_clip_mode(value: Any) -> str:
+    """Return ``value`` if it is a known clipping mode.
+
+    Example:
+        >>> check_clip_mode("micro_batch")
+        'micro_batch'
+    """
+    if value not in get_args(ClipMode):
+        raise ValueError(
+            f"Expected argument `clip_mode` to be one of {list(get_args(ClipMode))}, but got {value!r}."
+        )
+    return str(value)
+
+
 def check_optional_positive_float(name: str, value: Any) -> float | None:
     """Return ``value`` as a float if it is ``None`` or a finite or infinite number > 0 (``nan`` rejected).
 
@@ -130,3 +145,24 @@ def check_item_count(items: Any, where: str) -> int | torch.Tensor:
     if items < 1:
         raise ValueError(f"Expected {where} to be a positive integer, but got {items!r}.")
     return items
+
+
+def check_buffer_settings(
+    overflow: str, clip_mode: str, accumulation_dtype: object, max_grad_norm: float | None
+) -> None:
+    """Per-micro-batch settings work on each micro-batch's own gradient, which only buffers keep apart.
+
+    Example:
+        >>> check_buffer_settings("skip_micro_batch", "step", "float32", None)
+    """
+    for setting, used in (
+        ("overflow='skip_micro_batch'", overflow == "skip_micro_batch"),
+        ("clip_mode='micro_batch'", clip_mode == "micro_batch"),
+    ):
+        if used and accumulation_dtype is None:
+            raise ValueError(
+                f"`{setting}` works on each micro-batch's own gradient, which needs accumulation buffers:"
+                " set `accumulation_dtype` (e.g. 'float32')."
+            )
+    if clip_mode == "micro_batch" and max_grad_norm is None:
+        raise ValueError("`clip_mode='micro_batch'` clips to `max_grad_norm`, which is not set.")
