@@ -62,6 +62,7 @@ class RegressionModule(pl.LightningModule):
         optimizer: str = "sgd",
         nan_at: Sequence[int] = (),
         seed: int = 0,
+        nan_rank: int | None = None,
     ) -> None:
         super().__init__()
         self.net = regression_net(seed=seed)
@@ -70,12 +71,13 @@ class RegressionModule(pl.LightningModule):
         self.lr = lr
         self.optimizer_name = optimizer
         self.nan_at = set(nan_at)
+        self.nan_rank = nan_rank  # None: every rank
         self.micro_batches_seen = 0
 
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
-        if self.micro_batches_seen in self.nan_at:
+        if self.micro_batches_seen in self.nan_at and self.nan_rank in (None, self.global_rank):
             loss = loss * torch.tensor(float("nan"))
         self.micro_batches_seen += 1
         return loss
@@ -245,6 +247,41 @@ class MetricsRecorder(pl.loggers.Logger):
 
 def series_steps(recorder: MetricsRecorder, key: str) -> list[int]:
     return [step for step, _ in recorder.series(key)]
+
+
+# ------------------------------------------------------------------------------ DDP communication
+
+COMM = {"calls": 0, "bytes": 0}
+
+
+def counting_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """DDP comm hook: the default all-reduce, counting calls and bytes (one call per bucket and sync).
+
+    Unannotated on purpose: DDP checks annotations, and this module's are strings.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    COMM["calls"] += 1
+    COMM["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+    return allreduce_hook(state, bucket)
+
+
+class CommCounterLogger(pl.Callback):
+    """Registers the counting comm hook and logs its counters so that they reach the ddp_spawn parent.
+
+    Lightning registers `ddp_comm_hook` only on CUDA, so the hook is registered here, before the first batch.
+    """
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.model.register_comm_hook(None, counting_allreduce_hook)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        pl_module.log_dict(
+            {"comm_calls": float(COMM["calls"]), "comm_bytes": float(COMM["bytes"])},
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+        )
 
 
 def max_abs_diff(a: nn.Module, b: nn.Module) -> float:

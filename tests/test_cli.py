@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_gradacc import GradientAccumulationCallback
@@ -68,6 +69,8 @@ def test_every_callback_argument_is_settable_from_yaml(tmp_path: Path) -> None:
         "clip_value": 0.1,
         "overflow": "raise",
         "log_stats": False,
+        "accumulation_dtype": "float32",
+        "clip_mode": "micro_batch",
     }
     path = tmp_path / "all.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -77,6 +80,7 @@ def test_every_callback_argument_is_settable_from_yaml(tmp_path: Path) -> None:
     assert callback.item_count_fn.__name__ == "count_samples"
     assert (callback.max_grad_norm, callback.norm_type, callback.clip_value) == (0.5, math.inf, 0.1)
     assert (callback.overflow, callback.log_stats) == ("raise", False)
+    assert (callback.accumulation_dtype, callback.clip_mode) == (torch.float32, "micro_batch")
 
 
 @pytest.mark.parametrize(

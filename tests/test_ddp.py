@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import pytorch_lightning as pl
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
@@ -11,11 +12,12 @@ pytestmark = pytest.mark.slow
 WORLD = 2
 
 
-def ddp_trainer(callback: GradientAccumulationCallback) -> object:
+def ddp_trainer(*callbacks: pl.Callback, strategy: object = "ddp_spawn", **kwargs: object) -> pl.Trainer:
     return h.trainer(
-        strategy="ddp_spawn",
+        **kwargs,
+        strategy=strategy,
         devices=WORLD,
-        callbacks=[callback],
+        callbacks=list(callbacks),
         logger=h.MetricsRecorder(),
         log_every_n_steps=1,
         use_distributed_sampler=False,  # the modules shard in dataset order (see helpers.ordered_loader)
@@ -50,3 +52,36 @@ def test_ddp_weighted_uneven_tokens_per_rank_matches_single_process_big_batch() 
     # the per-rank token counts really are uneven in these windows
     per_rank = [int((data.tensors[1][rank::WORLD] != h.IGNORE_INDEX).sum()) for rank in range(WORLD)]
     assert per_rank[0] != per_rank[1]
+
+
+def counted_trainer(*callbacks: pl.Callback, **kwargs: object) -> pl.Trainer:
+    return ddp_trainer(*callbacks, h.CommCounterLogger(), **kwargs)
+
+
+def test_ddp_with_buffers_matches_big_batch_with_one_gradient_all_reduce_per_step() -> None:
+    data = h.regression_data(40)
+    module = h.RegressionModule(data)
+    callback = GradientAccumulationCallback(2, accumulation_dtype="float64", scaling="weighted")
+    trainer = counted_trainer(callback)
+    trainer.fit(module)
+    expected = h.big_batch_reference(h.regression_net(), data, 4 * WORLD, h.windows(5, 2), h.mse)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    # the same communication as Lightning's own accumulation: one all-reduce of the gradient per step
+    builtin = counted_trainer(accumulate_grad_batches=2)
+    builtin.fit(h.RegressionModule(data))
+    calls, nbytes = (float(trainer.callback_metrics[k]) for k in ("comm_calls", "comm_bytes"))
+    assert calls == 3  # 3 optimizer steps, 1 bucket for this small model
+    assert (calls, nbytes) == tuple(float(builtin.callback_metrics[k]) for k in ("comm_calls", "comm_bytes"))
+    assert nbytes == 3 * 4 * sum(p.numel() for p in h.regression_net().parameters())
+
+
+def test_ddp_skip_micro_batch_is_decided_the_same_on_every_rank() -> None:
+    data = h.regression_data(40)  # windows of micro-batches 0-1, 2-3, 4
+    module = h.RegressionModule(data, nan_at=[2], nan_rank=0)  # only rank 0 sees nan, in window 1
+    callback = GradientAccumulationCallback(2, overflow="skip_micro_batch", accumulation_dtype="float64")
+    trainer = ddp_trainer(callback)
+    trainer.fit(module)
+    expected = h.big_batch_reference(h.regression_net(), data, 4 * WORLD, [[0, 1], [3], [4]], h.mse)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    assert float(trainer.callback_metrics["grad_accum/overflow_count"]) == 1
+    assert float(trainer.callback_metrics["grad_accum/items_per_step"]) == 8

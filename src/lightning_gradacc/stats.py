@@ -15,8 +15,10 @@ class AccumulationStats:
         optimizer_steps: Windows finished (optimizer steps asked for, taken or skipped).
         total_micro_batches: Micro-batches recorded since creation.
         skipped_steps: Optimizer steps skipped because the gradient was not finite.
-        overflow_count: Windows whose accumulated gradient was not finite.
-        clip_count: Steps where clipping changed the gradient.
+        overflow_count: Windows whose accumulated gradient was not finite, plus micro-batches dropped by
+            ``overflow="skip_micro_batch"``.
+        clip_count: Steps where clipping changed the gradient (with ``clip_mode="micro_batch"``: steps
+            where it changed some micro-batch's gradient).
         last_grad_norm: Total gradient norm of the last step, after scaling and before clipping.
         max_grad_norm_seen: Largest finite ``last_grad_norm`` so far.
         items_last_step: Items (samples, tokens) in the last step, summed over ranks: the real effective

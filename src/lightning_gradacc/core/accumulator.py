@@ -412,8 +412,9 @@ class GradAccumulator:
         raw_norm = total_norm(grads, self.norm_type, device=self.device, foreach=self.foreach)
         norm = raw_norm.to(self._ledger_dtype) * factor
         finite = torch.isfinite(norm)
+        steppable = finite
         if self._dropped is not None:  # every micro-batch dropped: nothing to step with
-            finite = finite & (self._dropped < self._micro_batches)
+            steppable = finite & (self._dropped < self._micro_batches)
         multiplier: Tensor | float = factor
         clipped = torch.zeros((), dtype=torch.bool, device=self.device)
         if self.max_grad_norm is not None:
@@ -432,6 +433,7 @@ class GradAccumulator:
         nonfinite = (~finite).to(self._ledger_dtype)
         skips = overflow_handled_externally or self.overflow in ("skip", "skip_micro_batch")
         overflows = nonfinite if self._dropped is None else nonfinite + self._dropped
+        not_steppable = (~steppable).to(self._ledger_dtype)
         if self._micro_clips is not None:
             clipped = clipped | (self._micro_clips > 0)
         bad_items = (
@@ -441,7 +443,7 @@ class GradAccumulator:
         )
         self._update_ledger(
             nonfinite=overflows,
-            skipped=nonfinite if skips else torch.zeros_like(nonfinite),
+            skipped=not_steppable if skips else torch.zeros_like(nonfinite),
             clipped=clipped.to(self._ledger_dtype),
             norm=norm,
             items=items,
@@ -461,7 +463,7 @@ class GradAccumulator:
                 "skip_micro_batch",
             )
             # The one host sync of this step, and only where a decision needs it.
-            if decides and not self._sync(finite):
+            if decides and not self._sync(steppable):
                 if self.overflow == "raise":
                     raise GradientOverflowError(step, non_finite_names(named))
                 for _, param in self._named:

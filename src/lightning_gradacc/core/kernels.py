@@ -40,7 +40,9 @@ def _use_foreach(foreach: bool | None) -> bool:
 def total_norm(
     tensors: Sequence[Tensor], norm_type: float, *, device: torch.device, foreach: bool | None = None
 ) -> Tensor:
-    """Return the ``norm_type``-norm of all tensors together as a float32 scalar on ``device``.
+    """Return the ``norm_type``-norm of all tensors together as a scalar on ``device``.
+
+    Computed in float32 (float64 when some tensor is float64).
 
     Any ``nan`` or ``inf`` element makes the result non-finite, so one pass answers both "how large" and
     "is it finite".
@@ -52,13 +54,16 @@ def total_norm(
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
     per_tensor: list[Tensor] = []
-    for (group_device, _), group in group_by_device_and_dtype(tensors).items():
+    for (group_device, group_dtype), group in group_by_device_and_dtype(tensors).items():
+        # at least float32, so that fp16/bf16 squares cannot overflow; float64 stays float64
+        norm_dtype = torch.promote_types(group_dtype, torch.float32)
         if _use_foreach(foreach):
-            norms: Sequence[Tensor] = torch._foreach_norm(group, norm_type, dtype=torch.float32)
+            norms: Sequence[Tensor] = torch._foreach_norm(group, norm_type, dtype=norm_dtype)
         else:
-            norms = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in group]
+            norms = [torch.linalg.vector_norm(t, norm_type, dtype=norm_dtype) for t in group]
         per_tensor.extend(n.to(device, non_blocking=True) if group_device != device else n for n in norms)
-    total: Tensor = torch.linalg.vector_norm(torch.stack(per_tensor), norm_type)
+    result_dtype = torch.float64 if any(n.dtype == torch.float64 for n in per_tensor) else torch.float32
+    total: Tensor = torch.linalg.vector_norm(torch.stack([n.to(result_dtype) for n in per_tensor]), norm_type)
     return total
 
 
