@@ -63,6 +63,7 @@ class RegressionModule(pl.LightningModule):
         nan_at: Sequence[int] = (),
         seed: int = 0,
         nan_rank: int | None = None,
+        resumable: bool = False,
     ) -> None:
         super().__init__()
         self.net = regression_net(seed=seed)
@@ -72,6 +73,7 @@ class RegressionModule(pl.LightningModule):
         self.optimizer_name = optimizer
         self.nan_at = set(nan_at)
         self.nan_rank = nan_rank  # None: every rank
+        self.resumable = resumable
         self.micro_batches_seen = 0
 
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
@@ -80,16 +82,50 @@ class RegressionModule(pl.LightningModule):
         if self.micro_batches_seen in self.nan_at and self.nan_rank in (None, self.global_rank):
             loss = loss * torch.tensor(float("nan"))
         self.micro_batches_seen += 1
+        if self.resumable:
+            self.trainer.train_dataloader.consumed += 1
         return loss
+
+    def on_train_epoch_start(self) -> None:
+        if self.resumable:
+            self.trainer.train_dataloader.consumed = 0
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return make_optimizer(self.optimizer_name, self.net.parameters(), self.lr)
 
     def train_dataloader(self) -> DataLoader[Any]:
-        return ordered_loader(self, self.data, self.batch_size)
+        return ordered_loader(self, self.data, self.batch_size, resumable=self.resumable)
 
 
-def ordered_loader(module: pl.LightningModule, data: Dataset[Any], batch_size: int) -> DataLoader[Any]:
+class ResumableLoader(DataLoader):  # type: ignore[type-arg]
+    """A DataLoader that resumes mid-epoch: it skips the batches training has consumed.
+
+    Lightning prefetches one batch ahead, so the loader cannot count consumed batches itself: the module
+    advances ``consumed`` at the end of each ``training_step``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.consumed = 0
+        self._skip = 0
+
+    def __iter__(self) -> Any:
+        iterator = super().__iter__()
+        skip, self._skip = self._skip, 0
+        for _ in range(skip):
+            next(iterator)
+        yield from iterator
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed = self._skip = state["consumed"]
+
+
+def ordered_loader(
+    module: pl.LightningModule, data: Dataset[Any], batch_size: int, resumable: bool = False
+) -> DataLoader[Any]:
     """Batches in dataset order; under DDP rank r reads rows r, r + R, ...
 
     Run with ``use_distributed_sampler=False``.
@@ -97,10 +133,11 @@ def ordered_loader(module: pl.LightningModule, data: Dataset[Any], batch_size: i
     So micro-batch i of all ranks together is rows [i*B*R, (i+1)*B*R): the big-batch reference's batch i.
     """
     trainer = module._trainer
+    loader_class = ResumableLoader if resumable else DataLoader
     if trainer is not None and trainer.world_size > 1:
         sampler = DistributedSampler(data, trainer.world_size, trainer.global_rank, shuffle=False)
-        return DataLoader(data, batch_size=batch_size, sampler=sampler)
-    return DataLoader(data, batch_size=batch_size, shuffle=False)
+        return loader_class(data, batch_size=batch_size, sampler=sampler)
+    return loader_class(data, batch_size=batch_size, shuffle=False)
 
 
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import pytorch_lightning as pl
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
+from tests.test_resume import SaveAndStop
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -85,3 +88,25 @@ def test_ddp_skip_micro_batch_is_decided_the_same_on_every_rank() -> None:
     assert h.max_abs_diff(module.net, expected) < 1e-6
     assert float(trainer.callback_metrics["grad_accum/overflow_count"]) == 1
     assert float(trainer.callback_metrics["grad_accum/items_per_step"]) == 8
+
+
+def test_ddp_resume_mid_window_is_exact(tmp_path: Path) -> None:
+    """Only rank 0 writes the checkpoint: it stores the window summed over ranks, the others restart at 0."""
+    data = h.regression_data(80)  # 10 micro-batches of 4 per rank; K=4: windows 4, 4, 2
+
+    def fresh() -> h.RegressionModule:
+        return h.RegressionModule(data, resumable=True)
+
+    def callback() -> GradientAccumulationCallback:
+        return GradientAccumulationCallback(4, scaling="weighted", max_grad_norm=0.5)
+
+    expected = fresh()
+    ddp_trainer(callback()).fit(expected)
+    path = tmp_path / "mid.ckpt"
+    with pytest.raises(Exception, match="Preempted"):
+        ddp_trainer(callback(), SaveAndStop(5, path)).fit(fresh())
+    resumed = fresh()
+    trainer = ddp_trainer(callback())
+    trainer.fit(resumed, ckpt_path=path)
+    assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6
+    assert float(trainer.callback_metrics["grad_accum/optimizer_steps"]) == 3

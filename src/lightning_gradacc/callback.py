@@ -33,7 +33,7 @@ from .core.validation import (
 from .schedule import AccumulationPlan
 from .stats import AccumulationStats
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: adds the open window; 1 (counters only) still loads
 # Logged tag (under "grad_accum/") of each statistic; per-step quantities read better without "last".
 LOGGED_NAMES = {
     "accumulation_steps": "accumulation_steps",
@@ -142,6 +142,7 @@ class GradientAccumulationCallback(Callback):
 
         self._accumulator: GradAccumulator | None = None
         self._loaded_state: dict[str, Any] | None = None
+        self._loaded_window: dict[str, Any] | None = None
         self._applied_k: int | None = None  # the value this callback last wrote to the Trainer
         self._scaler: torch.amp.GradScaler | None = None
         self._pending_items: int | Tensor | None = None
@@ -299,6 +300,7 @@ class GradientAccumulationCallback(Callback):
         if state is not None:
             accumulator.load_state_dict(state)
             accumulator.accumulation_steps = k
+        self._restore_window(trainer, accumulator)  # validates everything before it changes anything
         self._loaded_state = None
         self._accumulator = accumulator
 
@@ -442,16 +444,39 @@ class GradientAccumulationCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        """Counters and the open window, if any (plain tensors and numbers: ``weights_only=True`` loads it).
+
+        Under DDP this sums the open window over ranks (every rank takes part, as in every Lightning save).
+        """
+        accumulator = self._accumulator
+        window = accumulator.window_state_dict() if accumulator is not None else None
+        if window is not None:
+            window["accumulate_grad_batches"] = self._applied_k
+            window["amp_scale"] = float(self._scaler.get_scale()) if self._scaler is not None else None
         return {
             "version": _STATE_VERSION,
-            "accumulator": self._accumulator.state_dict() if self._accumulator is not None else None,
+            "accumulator": accumulator.state_dict() if accumulator is not None else None,
+            "window": window,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("version") != _STATE_VERSION:
+        if state_dict.get("version") not in (1, _STATE_VERSION):
             raise ValueError(
                 f"Cannot load `GradientAccumulationCallback` state of version {state_dict.get('version')!r};"
-                f" this version reads {_STATE_VERSION}."
+                f" this version reads 1 and {_STATE_VERSION}."
             )
         self._loaded_state = state_dict.get("accumulator")
+        self._loaded_window = state_dict.get("window")
+
+    def _restore_window(self, trainer: pl.Trainer, accumulator: GradAccumulator) -> None:
+        """Re-open the window a mid-window checkpoint saved (on rank 0; other ranks start from zero)."""
+        window, self._loaded_window = self._loaded_window, None
+        if window is None:
+            return
+        # The saved sum was made with loss / K_saved (times the AMP scale then): bring it to today's units.
+        rescale = window.get("accumulate_grad_batches") or trainer.accumulate_grad_batches
+        rescale /= trainer.accumulate_grad_batches
+        if self._scaler is not None and window.get("amp_scale"):
+            rescale *= float(self._scaler.get_scale()) / window["amp_scale"]
+        accumulator.load_window_state_dict(window, primary=trainer.global_rank == 0, rescale=rescale)

@@ -35,6 +35,7 @@ from .validation import (
     check_positive_int,
     check_scaling,
 )
+from .window_state import WINDOW_STATE_VERSION, check_window_state
 
 _STATE_VERSION = 1
 # Positions in the device ledger. Counters are summed, the rest overwritten at every step.
@@ -619,6 +620,100 @@ class GradAccumulator:
         for name, value in zip(_LEDGER_FIELDS, self._host_ledger, strict=True):
             state[name] = int(value) if name in _INT_FIELDS else value
         return state
+
+    # ---------------------------------------------------------------------------------- open window
+
+    def _window_tensors(self) -> tuple[str, list[Tensor | None]]:
+        """Where the open window's sum lives now, one entry per tracked parameter."""
+        if self._buffers is not None and self._buffers.holds_window and not self._flushed:
+            return "buffers", list(self._buffers.tensors)
+        return "grads", [param.grad for _, param in self._named]
+
+    def window_state_dict(self) -> dict[str, Any] | None:
+        """The open window (its summed gradients and counters), or ``None`` between windows.
+
+        Under data parallelism the rank-dependent parts (gradients, items, losses) are summed over ranks:
+        a collective, so every rank must call it (Lightning does, when it saves a checkpoint). Loaded on
+        the first rank, with the other ranks starting from zero, the sum continues exactly, because the
+        all-reduce at the end of the window is linear. Syncs with the device (checkpoint time only).
+        """
+        if self._micro_batches == 0:
+            return None
+        world_size, all_reduce = self._world()
+
+        def summed(tensor: Tensor) -> Tensor:
+            return all_reduce(tensor.clone()) if world_size > 1 and all_reduce is not None else tensor
+
+        kind, sums = self._window_tensors()
+        tensors: dict[str, Tensor] = {}
+        for (name, param), tensor in zip(self._named, sums, strict=True):
+            dtype = self._buffers.dtype if kind == "buffers" and self._buffers is not None else param.dtype
+            local = tensor.detach() if tensor is not None else torch.zeros_like(param, dtype=dtype)
+            tensors[name] = summed(local).cpu()
+        counters = torch.stack(
+            [
+                self._scalar(self._items_device if self._items_device is not None else 0.0)
+                + self._items_host,
+                self._scalar(self._loss_sum),
+                self._scalar(self._loss_weight),
+                self._scalar(self._micro_clips if self._micro_clips is not None else 0.0),
+                self._scalar((self._min_items_device < 1) if self._min_items_device is not None else 0.0),
+            ]
+        )
+        items, loss_sum, loss_weight, micro_clips, bad_items = summed(counters).tolist()
+        return {
+            "version": WINDOW_STATE_VERSION,
+            "kind": kind,
+            "world_size": world_size,
+            "micro_batches": self._micro_batches,
+            "dropped": float(self._dropped) if self._dropped is not None else None,  # the same on every rank
+            "items": items,
+            "loss_sum": loss_sum,
+            "loss_weight": loss_weight,
+            "micro_clips": micro_clips,
+            "bad_items": bad_items,
+            "tensors": tensors,
+        }
+
+    def load_window_state_dict(
+        self, state: Mapping[str, Any], *, primary: bool = True, rescale: float = 1.0
+    ) -> None:
+        """Re-open a window saved by :meth:`window_state_dict`; nothing changes if it does not fit.
+
+        Args:
+            state: The saved window.
+            primary: Whether this rank takes the saved sums (rank 0); the other ranks start from zero.
+            rescale: Factor for the saved gradients, e.g. new AMP scale / old, or old K / new K.
+        """
+        kind = "buffers" if self._buffers is not None else "grads"
+        expected = {
+            name: (param.shape, self._buffers.dtype if self._buffers is not None else param.dtype)
+            for name, param in self._named
+        }
+        world_size, _ = self._world()
+        check_window_state(state, expected, kind, world_size)
+        self._open_window()
+        for _, param in self._named:
+            param.grad = None
+        if primary:
+            saved = [state["tensors"][name].to(param.device) * rescale for name, param in self._named]
+            self._items_host = round(state["items"])
+            self._loss_sum = float(state["loss_sum"])
+            self._loss_weight = float(state["loss_weight"])
+            if state["micro_clips"]:
+                self._micro_clips = self._scalar(state["micro_clips"])
+            if state["bad_items"]:
+                self._min_items_device = torch.zeros((), dtype=torch.int64, device=self.device)
+        else:
+            saved = [torch.zeros_like(param, dtype=expected[name][1]) for name, param in self._named]
+        if self._buffers is not None:
+            self._buffers.load(saved)
+        else:
+            for (_, param), tensor in zip(self._named, saved, strict=True):
+                param.grad = tensor
+        if state.get("dropped") is not None:
+            self._dropped = self._scalar(state["dropped"])
+        self._micro_batches = int(state["micro_batches"])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore counters saved by :meth:`state_dict`; nothing changes if ``state`` does not fit."""

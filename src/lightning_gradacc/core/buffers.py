@@ -148,6 +148,11 @@ class GradBuffers:
             param.grad = buffer.to(param.dtype, copy=True)
         self._stale = True
 
+    def load(self, tensors: Sequence[Tensor]) -> None:
+        """Make ``tensors`` the sum of the open window (restoring a saved window)."""
+        self._copy(self.tensors, list(tensors))
+        self._stale = False
+
     def discard(self) -> None:
         """Forget the open window (the next absorb overwrites the buffers)."""
         self._stale = True

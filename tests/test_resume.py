@@ -1,0 +1,241 @@
+"""Exact resume from a checkpoint taken in the middle of an accumulation window."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import OnExceptionCheckpoint
+
+from lightning_gradacc import GradientAccumulationCallback
+from tests import helpers as h
+
+EPOCHS = 2  # 10 micro-batches of 4 per epoch; with K=4: windows 4, 4, 2
+
+
+class Preempted(Exception):
+    pass
+
+
+class SaveAndStop(pl.Callback):
+    """Saves a checkpoint after global micro-batch ``at`` and interrupts training (a preemption)."""
+
+    def __init__(self, at: int, path: Path) -> None:
+        self.at, self.path, self.seen = at, path, 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.seen == self.at:
+            trainer.save_checkpoint(self.path)
+            raise Preempted
+        self.seen += 1
+
+
+def preempt(
+    model: pl.LightningModule, callbacks: list[pl.Callback], at: int, path: Path, **kwargs: Any
+) -> None:
+    """Train until global micro-batch ``at``, checkpoint there, and stop as a preempted job would."""
+    with pytest.raises(Preempted):
+        h.trainer(callbacks=[*callbacks, SaveAndStop(at, path)], max_epochs=EPOCHS, **kwargs).fit(model)
+
+
+def make_callback(scaling: str, **kwargs: Any) -> GradientAccumulationCallback:
+    return GradientAccumulationCallback(4, scaling=scaling, **kwargs)
+
+
+def module(optimizer: str, **kwargs: Any) -> h.RegressionModule:
+    # 38 samples: the last micro-batch of each epoch has 2, so "weighted" differs from "mean"
+    lr = 0.01 if optimizer == "adam" else 0.1
+    return h.RegressionModule(h.regression_data(38), optimizer=optimizer, lr=lr, resumable=True, **kwargs)
+
+
+def uninterrupted(optimizer: str, scaling: str, **kwargs: Any) -> h.RegressionModule:
+    model = module(optimizer)
+    h.trainer(callbacks=[make_callback(scaling, **kwargs)], max_epochs=EPOCHS).fit(model)
+    return model
+
+
+def interrupted_and_resumed(
+    tmp_path: Path, at: int, optimizer: str, scaling: str, **kwargs: Any
+) -> tuple[h.RegressionModule, GradientAccumulationCallback]:
+    path = tmp_path / "mid_window.ckpt"
+    preempt(module(optimizer), [make_callback(scaling, **kwargs)], at, path)
+    resumed = module(optimizer)
+    callback = make_callback(scaling, **kwargs)
+    h.trainer(callbacks=[callback], max_epochs=EPOCHS).fit(resumed, ckpt_path=path)
+    return resumed, callback
+
+
+@pytest.mark.parametrize("at", [4, 5, 6, 7, 13])  # every position of a K=4 window, and one in epoch 2
+@pytest.mark.parametrize(("optimizer", "scaling"), [("sgd", "mean"), ("adam", "weighted")])
+def test_resume_mid_window_equals_the_uninterrupted_run(
+    tmp_path: Path, at: int, optimizer: str, scaling: str
+) -> None:
+    expected = uninterrupted(optimizer, scaling)
+    resumed, callback = interrupted_and_resumed(tmp_path, at, optimizer, scaling)
+    assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6
+    assert callback.stats.optimizer_steps == 6
+    assert callback.stats.total_micro_batches == 20
+
+
+@pytest.mark.parametrize("at", [1, 6])
+def test_resume_mid_window_with_fp32_buffers(tmp_path: Path, at: int) -> None:
+    kwargs = {"accumulation_dtype": "float64", "overflow": "skip_micro_batch"}
+    expected = uninterrupted("sgd", "weighted", **kwargs)
+    resumed, _ = interrupted_and_resumed(tmp_path, at, "sgd", "weighted", **kwargs)
+    assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6
+
+
+def test_builtin_loses_the_open_window(tmp_path: Path) -> None:
+    """What this fixes: Lightning's own accumulation forgets the gradients of the open window."""
+    path = tmp_path / "builtin.ckpt"
+    expected = module("sgd")
+    h.trainer(accumulate_grad_batches=4, max_epochs=EPOCHS).fit(expected)
+    preempt(module("sgd"), [], 6, path, accumulate_grad_batches=4)
+    resumed = module("sgd")
+    h.trainer(accumulate_grad_batches=4, max_epochs=EPOCHS).fit(resumed, ckpt_path=path)
+    assert h.max_abs_diff(resumed.net, expected.net) > 1e-3
+
+
+def test_state_loads_with_weights_only(tmp_path: Path) -> None:
+    path = tmp_path / "mid.ckpt"
+    preempt(module("sgd"), [make_callback("mean")], 5, path)
+    checkpoint = torch.load(path, weights_only=True)
+    (state,) = [v for k, v in checkpoint["callbacks"].items() if "GradientAccumulationCallback" in k]
+    window = state["window"]
+    assert window["micro_batches"] == 2  # micro-batches 4 and 5 of the second window
+    assert window["items"] == 8
+    assert set(window["tensors"]) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
+    assert state["accumulator"]["optimizer_steps"] == 1
+
+
+def test_crash_checkpoint_resumes_exactly(tmp_path: Path) -> None:
+    expected = uninterrupted("sgd", "mean")
+
+    class Crash(pl.Callback):
+        def on_train_batch_start(
+            self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int
+        ) -> None:
+            if trainer.fit_loop.total_batch_idx == 6:
+                raise RuntimeError("simulated crash")
+
+    first = module("sgd")
+    crash_saver = OnExceptionCheckpoint(dirpath=tmp_path, filename="crash")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        callbacks = [make_callback("mean"), Crash(), crash_saver]
+        h.trainer(callbacks=callbacks, max_epochs=EPOCHS, enable_checkpointing=True).fit(first)
+    resumed = module("sgd")
+    h.trainer(callbacks=[make_callback("mean")], max_epochs=EPOCHS).fit(
+        resumed, ckpt_path=tmp_path / "crash.ckpt"
+    )
+    assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6
+
+
+def test_epoch_schedule_k_is_right_after_a_mid_epoch_resume(tmp_path: Path) -> None:
+    schedule = {0: 2, 1: 4}
+    expected = module("sgd")
+    h.trainer(callbacks=[GradientAccumulationCallback(schedule)], max_epochs=EPOCHS).fit(expected)
+    path = tmp_path / "epoch1.ckpt"
+    preempt(module("sgd"), [GradientAccumulationCallback(schedule)], 12, path)
+    resumed = module("sgd")
+    callback = GradientAccumulationCallback(schedule)
+    trainer = h.trainer(callbacks=[callback], max_epochs=EPOCHS)
+    trainer.fit(resumed, ckpt_path=path)
+    assert trainer.accumulate_grad_batches == 4
+    assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6
+
+
+def test_checkpoint_from_builtin_accumulation_loads(tmp_path: Path) -> None:
+    path = tmp_path / "builtin.ckpt"
+    trainer = h.trainer(accumulate_grad_batches=4, max_epochs=1)
+    trainer.fit(module("sgd"))
+    trainer.save_checkpoint(path)
+    callback = make_callback("mean")
+    h.trainer(callbacks=[callback], max_epochs=2).fit(module("sgd"), ckpt_path=path)
+    assert callback.stats.optimizer_steps == 3
+
+
+def _tamper(path: Path, change: Any) -> Path:
+    checkpoint = torch.load(path, weights_only=True)
+    (key,) = [k for k in checkpoint["callbacks"] if "GradientAccumulationCallback" in k]
+    change(checkpoint["callbacks"][key])
+    out = path.with_name("tampered.ckpt")
+    torch.save(checkpoint, out)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda s: s["window"]["tensors"].pop("net.2.bias"), "no gradient for parameter `net.2.bias`"),
+        (lambda s: s["window"]["tensors"].update(extra=torch.zeros(1)), "unknown parameter `extra`"),
+        (
+            lambda s: s["window"]["tensors"].update({"net.0.bias": torch.zeros(3)}),
+            r"`net.0.bias` is \(\(3,\), torch.float32\), but the parameter needs \(\(8,\), torch.float32\)",
+        ),
+        (
+            lambda s: s["window"]["tensors"].update({"net.0.bias": torch.zeros(8, dtype=torch.float64)}),
+            "`net.0.bias` is .*float64.*needs.*float32",
+        ),
+        (lambda s: s["window"].update(version=99), "format version 99"),
+        (lambda s: s["window"].update(world_size=2), "accumulated on 2 rank"),
+        (lambda s: s["window"].update(kind="buffers"), "accumulated in accumulation buffers"),
+        (lambda s: s.update(version=7), "state of version 7"),
+    ],
+)
+def test_mismatched_pending_window_is_rejected_and_nothing_changes(
+    tmp_path: Path, change: Any, match: str
+) -> None:
+    path = tmp_path / "mid.ckpt"
+    preempt(module("sgd"), [make_callback("mean")], 5, path)
+    tampered = _tamper(path, change)
+    resumed = module("sgd")
+    resumed.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
+    before = [p.detach().clone() for p in resumed.parameters()]
+    with pytest.raises(ValueError, match=match):
+        h.trainer(callbacks=[make_callback("mean")], max_epochs=EPOCHS).fit(resumed, ckpt_path=tampered)
+    assert all(torch.equal(a, b) for a, b in zip(before, resumed.parameters(), strict=True))
+    assert all(p.grad is None for p in resumed.parameters())
+
+
+def test_pending_window_is_restored_with_a_plain_dataloader(tmp_path: Path) -> None:
+    """Without a resumable loader Lightning restarts the epoch's data (and warns); the window comes back."""
+    path = tmp_path / "plain.ckpt"
+    preempt(h.RegressionModule(h.regression_data(38)), [make_callback("mean")], 5, path)
+    saved = torch.load(path, weights_only=True)
+    (state,) = [v for k, v in saved["callbacks"].items() if "GradientAccumulationCallback" in k]
+    seen: dict[str, Any] = {}
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            accumulator = callback.accumulator
+            seen["current_step"] = accumulator.current_step if accumulator is not None else None
+            seen["grads"] = {n: p.grad.clone() for n, p in pl_module.named_parameters()}
+
+    callback = make_callback("mean")
+    with pytest.warns(UserWarning, match="dataloader is not resumable"):
+        h.trainer(callbacks=[callback, Probe()], max_epochs=EPOCHS).fit(
+            h.RegressionModule(h.regression_data(38)), ckpt_path=path
+        )
+    assert seen["current_step"] == 2
+    for name, tensor in state["window"]["tensors"].items():
+        assert torch.equal(seen["grads"][name], tensor)
+
+
+def test_resume_mid_window_under_16_mixed(tmp_path: Path) -> None:
+    from pytorch_lightning.plugins import MixedPrecision
+
+    def plugin() -> MixedPrecision:
+        return MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**8))
+
+    expected = module("sgd")
+    h.trainer(callbacks=[make_callback("mean")], plugins=[plugin()], max_epochs=EPOCHS).fit(expected)
+    path = tmp_path / "amp.ckpt"
+    preempt(module("sgd"), [make_callback("mean")], 6, path, plugins=[plugin()])
+    resumed = module("sgd")
+    h.trainer(callbacks=[make_callback("mean")], plugins=[plugin()], max_epochs=EPOCHS).fit(
+        resumed, ckpt_path=path
+    )
+    assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6
