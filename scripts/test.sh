@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
-echo "[test] ruff"; ruff check src tests examples; ruff format --check --quiet src tests examples
+echo "[test] ruff"; ruff check src tests examples benchmarks; ruff format --check --quiet src tests examples benchmarks
 echo "[test] mypy"; mypy
 echo "[test] pytest"; python -m pytest "$@"

@@ -347,9 +347,9 @@ class GradientAccumulationCallback(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         assert self._accumulator is not None
         # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed.
-        unscaled = loss.detach() * trainer.accumulate_grad_batches
-        scale = self._amp_scale()
-        self._pending_loss = unscaled / scale if scale is not None else unscaled
+        # It is kept as is (finalize's loss_scale undoes K and the scale once per window); only a loss about
+        # to be weighted in place needs a copy.
+        self._pending_loss = loss.detach().clone() if self.scaling == "weighted" else loss.detach()
         if self.scaling == "weighted" and self._pending_items is not None:
             weight = self._pending_items
             loss.mul_(weight.to(loss.device, non_blocking=True) if isinstance(weight, Tensor) else weight)
@@ -378,9 +378,12 @@ class GradientAccumulationCallback(Callback):
     ) -> None:
         assert self._accumulator is not None
         self._stepped = True
+        k = trainer.accumulate_grad_batches
+        scale = self._amp_scale()
         stepped = self._accumulator.finalize(
-            grad_scale=1.0 / trainer.accumulate_grad_batches,
+            grad_scale=1.0 / k,
             overflow_handled_externally=self._scaler is not None,
+            loss_scale=k / scale if scale is not None else k,
         )
         if stepped:
             return

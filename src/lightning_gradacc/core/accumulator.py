@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import astuple
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from .buffers import GradBuffers, resolve_accumulation_dtype
 from .errors import GradientOverflowError
 from .kernels import clamp_, non_finite_names, scale_, total_norm
 from .memory import WindowPeakMemory
+from .tally import WindowTally, WindowTotals
 from .validation import (
     check_buffer_settings,
     check_clip_mode,
@@ -169,6 +171,7 @@ class GradAccumulator:
                     stacklevel=2,
                 )
         self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self._tally = WindowTally(self.device, self._ledger_dtype)
         self._memory = WindowPeakMemory(self.device)
         # Lifetime counters kept on the host (they never depend on tensor values).
         self._optimizer_steps = 0
@@ -198,11 +201,7 @@ class GradAccumulator:
 
     def _open_window(self) -> None:
         self._micro_batches = 0
-        self._items_host = 0
-        self._items_device: Tensor | None = None
-        self._min_items_device: Tensor | None = None
-        self._loss_sum: Tensor | float = 0.0
-        self._loss_weight: Tensor | float = 0.0
+        self._tally.clear()
         self._dropped: Tensor | None = None  # micro-batches dropped by "skip_micro_batch" (device)
         self._micro_clips: Tensor | None = None  # micro-batches clipped by clip_mode="micro_batch"
         self._flushed = False  # buffers written to .grad for a synchronizing backward
@@ -277,7 +276,8 @@ class GradAccumulator:
         Args:
             items: Samples or tokens in the micro-batch (int or integer scalar tensor). Required for
                 ``"weighted"``; elsewhere only used for statistics.
-            loss: The micro-batch's unweighted loss, for ``window_loss`` in the statistics.
+            loss: The micro-batch's unweighted loss, for ``window_loss`` in the statistics (in any units
+                that :meth:`finalize`'s ``loss_scale`` turns into the loss; it is only kept, not copied).
             grad_scale: The factor the loss was multiplied by besides :meth:`loss_weight` (Lightning's
                 1/K, times the AMP scale under a GradScaler); used by ``clip_mode="micro_batch"``.
         """
@@ -286,41 +286,9 @@ class GradAccumulator:
         elif self.scaling == "weighted":
             raise ValueError("`scaling='weighted'` needs the item count of every micro-batch (`items=`).")
         keep = self._absorb(items, grad_scale) if self._buffers is not None and not self._flushed else None
-        kept_items: int | Tensor | None = items
-        if keep is not None and items is not None:
-            kept_items = (
-                items.to(self.device) * keep if isinstance(items, Tensor) else keep.to(torch.int64) * items
-            )
-        if isinstance(kept_items, Tensor):
-            counted = kept_items.to(torch.int64)
-            self._items_device = counted if self._items_device is None else self._items_device + counted
-            if isinstance(items, Tensor):  # an int was checked at once; a tensor is checked at the boundary
-                valid = items.to(torch.int64) if keep is None else torch.where(keep, items.to(keep.device), 1)
-                self._min_items_device = (
-                    valid if self._min_items_device is None else torch.minimum(self._min_items_device, valid)
-                )
-        elif kept_items is not None:
-            self._items_host += kept_items
-        if loss is not None:
-            self._add_loss(loss, items, keep)
+        self._tally.add(items, loss, keep)
         self._micro_batches += 1
         self._total_micro_batches += 1
-
-    def _add_loss(self, loss: Tensor | float, items: int | Tensor | None, keep: Tensor | None) -> None:
-        weight: int | Tensor = 1 if items is None else items
-        if isinstance(loss, Tensor):
-            if isinstance(weight, Tensor):
-                weight = weight.to(loss.device, non_blocking=True)
-            contribution: Tensor | float = loss.detach().to(self._ledger_dtype) * weight
-        else:
-            contribution = float(loss) * weight if not isinstance(weight, Tensor) else weight * float(loss)
-        if keep is not None:  # a dropped micro-batch's loss is often nan: select, don't multiply
-            contribution = torch.where(keep, self._scalar(contribution), 0.0)
-            weight = keep.to(self._ledger_dtype) * (
-                weight.to(keep.device) if isinstance(weight, Tensor) else weight
-            )
-        self._loss_sum = self._loss_sum + contribution
-        self._loss_weight = self._loss_weight + weight
 
     def _absorb(self, items: int | Tensor | None, grad_scale: float | Tensor) -> Tensor | None:
         """Move this micro-batch's ``.grad`` into the buffers; returns whether it was kept (or None)."""
@@ -373,10 +341,18 @@ class GradAccumulator:
     def _scalar(self, value: Tensor | float) -> Tensor:
         """A scalar on the ledger device, created by a fill kernel (no host-to-device copy)."""
         if isinstance(value, Tensor):
+            if value.dtype == self._ledger_dtype and value.device == self.device:
+                return value
             return value.to(device=self.device, dtype=self._ledger_dtype, non_blocking=True)
         return torch.full((), float(value), dtype=self._ledger_dtype, device=self.device)
 
-    def finalize(self, *, grad_scale: float = 1.0, overflow_handled_externally: bool = False) -> bool:
+    def finalize(
+        self,
+        *,
+        grad_scale: float = 1.0,
+        overflow_handled_externally: bool = False,
+        loss_scale: float | Tensor = 1.0,
+    ) -> bool:
         """Turn the window's summed gradients into the final gradient, in place; close the window.
 
         Args:
@@ -384,6 +360,8 @@ class GradAccumulator:
                 :meth:`loss_weight` (Lightning divides each loss by K: pass ``1 / K``).
             overflow_handled_externally: A ``GradScaler`` will skip the step itself when the gradient is
                 not finite: count the overflow and the skip, but neither drop gradients nor raise.
+            loss_scale: Factor from the recorded losses to the real loss (Lightning records L / K times
+                the AMP scale: pass K / scale).
 
         Returns:
             Whether the optimizer should step. ``False`` only for a skipped non-finite window, whose
@@ -408,7 +386,8 @@ class GradAccumulator:
         grads = [grad for _, grad in named]
         world_size, all_reduce = self._world()
 
-        items, loss_sum, loss_weight = self._window_totals(world_size, all_reduce)
+        totals = self._window_totals(world_size, all_reduce)
+        items, loss_sum, loss_weight = totals.items, totals.loss_sum, totals.loss_weight
         factor = self._normalization(items, grad_scale, world_size)
         raw_norm = total_norm(grads, self.norm_type, device=self.device, foreach=self.foreach)
         norm = raw_norm.to(self._ledger_dtype) * factor
@@ -437,21 +416,16 @@ class GradAccumulator:
         not_steppable = (~steppable).to(self._ledger_dtype)
         if self._micro_clips is not None:
             clipped = clipped | (self._micro_clips > 0)
-        bad_items = (
-            (self._min_items_device < 1).to(self._ledger_dtype)
-            if self._min_items_device is not None
-            else self._scalar(0.0)
-        )
         self._update_ledger(
             nonfinite=overflows,
             skipped=not_steppable if skips else torch.zeros_like(nonfinite),
             clipped=clipped.to(self._ledger_dtype),
             norm=norm,
             items=items,
-            window_loss=loss_sum / loss_weight
+            window_loss=loss_sum / loss_weight * loss_scale
             if isinstance(loss_weight, Tensor) or loss_weight
             else math.nan,
-            bad_items=bad_items,
+            bad_items=totals.bad_items,
         )
         self._micro_batches_last_step = self._micro_batches
         step = self._optimizer_steps
@@ -495,20 +469,13 @@ class GradAccumulator:
         optimizer.zero_grad(set_to_none=True)
         return stepped
 
-    def _window_totals(
-        self, world_size: int, all_reduce: AllReduce | None
-    ) -> tuple[Tensor | float, Tensor | float, Tensor | float]:
-        """Items, loss sum and loss weight of the window, summed over ranks (one small all-reduce)."""
-        items: Tensor | float = float(self._items_host)
-        if self._items_device is not None:
-            items = self._scalar(self._items_device) + self._items_host
+    def _window_totals(self, world_size: int, all_reduce: AllReduce | None) -> WindowTotals:
+        """The window's totals, summed over ranks (one small all-reduce)."""
+        totals = self._tally.totals()
         if world_size == 1 or all_reduce is None:
-            return items, self._loss_sum, self._loss_weight
-        packed = torch.stack(
-            [self._scalar(items), self._scalar(self._loss_sum), self._scalar(self._loss_weight)]
-        )
-        packed = all_reduce(packed)
-        return packed[0], packed[1], packed[2]
+            return totals
+        packed = torch.stack([self._scalar(value) for value in astuple(totals)])
+        return WindowTotals(*all_reduce(packed).unbind())
 
     def _normalization(self, items: Tensor | float, grad_scale: float, world_size: int) -> Tensor | float:
         """The factor that turns ``.grad`` into the contract's gradient (see ARCHITECTURE.md section 2)."""
@@ -650,17 +617,10 @@ class GradAccumulator:
             dtype = self._buffers.dtype if kind == "buffers" and self._buffers is not None else param.dtype
             local = tensor.detach() if tensor is not None else torch.zeros_like(param, dtype=dtype)
             tensors[name] = summed(local).cpu()
-        counters = torch.stack(
-            [
-                self._scalar(self._items_device if self._items_device is not None else 0.0)
-                + self._items_host,
-                self._scalar(self._loss_sum),
-                self._scalar(self._loss_weight),
-                self._scalar(self._micro_clips if self._micro_clips is not None else 0.0),
-                self._scalar((self._min_items_device < 1) if self._min_items_device is not None else 0.0),
-            ]
-        )
-        items, loss_sum, loss_weight, micro_clips, bad_items = summed(counters).tolist()
+        totals = self._tally.totals()
+        micro_clips = self._micro_clips if self._micro_clips is not None else 0.0
+        counters = torch.stack([self._scalar(value) for value in (*astuple(totals), micro_clips)])
+        items, loss_sum, loss_weight, bad_items, micro_clips = summed(counters).tolist()
         return {
             "version": WINDOW_STATE_VERSION,
             "kind": kind,
@@ -697,13 +657,15 @@ class GradAccumulator:
             param.grad = None
         if primary:
             saved = [state["tensors"][name].to(param.device) * rescale for name, param in self._named]
-            self._items_host = round(state["items"])
-            self._loss_sum = float(state["loss_sum"])
-            self._loss_weight = float(state["loss_weight"])
+            self._tally.host_items = round(state["items"])
+            self._tally.host_loss_sum = (
+                float(state["loss_sum"]) * rescale
+            )  # losses are in the gradients' units
+            self._tally.host_loss_weight = float(state["loss_weight"])
             if state["micro_clips"]:
                 self._micro_clips = self._scalar(state["micro_clips"])
             if state["bad_items"]:
-                self._min_items_device = torch.zeros((), dtype=torch.int64, device=self.device)
+                self._tally.unchecked_items.append(torch.zeros((), dtype=torch.int64, device=self.device))
         else:
             saved = [torch.zeros_like(param, dtype=expected[name][1]) for name, param in self._named]
         if self._buffers is not None:

@@ -62,8 +62,9 @@ def total_norm(
         else:
             norms = [torch.linalg.vector_norm(t, norm_type, dtype=norm_dtype) for t in group]
         per_tensor.extend(n.to(device, non_blocking=True) if group_device != device else n for n in norms)
-    result_dtype = torch.float64 if any(n.dtype == torch.float64 for n in per_tensor) else torch.float32
-    total: Tensor = torch.linalg.vector_norm(torch.stack([n.to(result_dtype) for n in per_tensor]), norm_type)
+    if len({n.dtype for n in per_tensor}) > 1:  # float32 and float64 groups: stack in float64
+        per_tensor = [n.to(torch.float64) for n in per_tensor]
+    total: Tensor = torch.linalg.vector_norm(torch.stack(per_tensor), norm_type)
     return total
 
 

@@ -1,0 +1,126 @@
+"""``python -m benchmarks [--device cuda] [--quick] [--out FILE]``: measure, then write a markdown report."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import psutil
+import pytorch_lightning as pl
+import torch
+
+from .measure import boundary_pass, gradient_sets, peak_memory_in_subprocess, syncs_per_micro_batch_and_step
+from .workloads import MODE_TITLES, MODES, QUICK_SIZES, SIZES, seconds_per_micro_batch
+
+
+def machine(device: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = f"{cpu}, {psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    if device == "cuda":
+        text += f", {torch.cuda.get_device_name()}"
+    return (
+        f"{text}; torch {torch.__version__}, pytorch-lightning {pl.__version__}, {time.strftime('%Y-%m-%d')}"
+    )
+
+
+def throughput(device: str, quick: bool, repeats: int) -> list[str]:
+    sizes = QUICK_SIZES if quick else SIZES
+    ks = (1, 4) if quick else (1, 8, 32)
+    windows = 1 if quick else 3
+    lines = [
+        "| model | K | " + " | ".join(MODE_TITLES[m] for m in MODES) + " |",
+        "|---|---|" + "---|" * len(MODES),
+    ]
+    for size in sizes.values():
+        for k in ks:
+            # interleave the modes within each repeat, so that drifts of the machine hit all of them alike
+            samples: dict[str, list[float]] = {mode: [] for mode in MODES}
+            for _ in range(repeats):
+                for mode in MODES:
+                    samples[mode].append(seconds_per_micro_batch(mode, size, k, windows, device))
+            medians = {mode: statistics.median(values) for mode, values in samples.items()}
+            base = medians["builtin"]
+            cells = [
+                f"{medians[m] * 1e3:.2f} ms" if m == "builtin" else f"{medians[m] / base:.3f}x" for m in MODES
+            ]
+            lines.append(f"| {size.name} | {k} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def boundary(device: str, quick: bool, repeats: int) -> list[str]:
+    lines = [
+        "| gradients | foreach limit | accumulator boundary | ratio to limit | per-parameter loop"
+        " | loop / boundary |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, params in gradient_sets(quick, device).items():
+        t = boundary_pass(params, device, repeats)
+        lines.append(
+            f"| {name} | {t['limit'] * 1e3:.3f} ms | {t['ours'] * 1e3:.3f} ms | {t['ours'] / t['limit']:.2f}x"
+            f" | {t['naive'] * 1e3:.3f} ms | {t['naive'] / t['ours']:.1f}x |"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
+def memory(device: str, quick: bool) -> list[str]:
+    key, k = ("small", 4) if quick else ("big", 8)
+    modes = ("builtin", "callback", "weighted", "buffers")
+    peaks = {mode: peak_memory_in_subprocess(mode, key, k, device, quick) for mode in modes}
+    base, params = peaks["builtin"]
+    lines = ["| mode | peak memory during training | extra bytes per trainable parameter |", "|---|---|---|"]
+    for mode in modes:
+        peak, _ = peaks[mode]
+        lines.append(f"| {MODE_TITLES[mode]} | {peak / 2**20:,.1f} MiB | {(peak - base) / params:+.2f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def syncs(device: str, quick: bool) -> list[str]:
+    size = (QUICK_SIZES if quick else SIZES)["small"]
+    lines = ["| mode | syncs per accumulating micro-batch | syncs per optimizer step |", "|---|---|---|"]
+    for mode in ("callback", "weighted"):
+        per_micro_batch, per_step = syncs_per_micro_batch_and_step(mode, size, 4, device)
+        lines.append(f"| {MODE_TITLES[mode]} | {per_micro_batch:g} | {per_step:g} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke run")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="markdown file (default benchmarks/results-DEVICE.md)"
+    )
+    args = parser.parse_args()
+    repeats = 1 if args.quick else args.repeats
+    torch.set_num_threads(max(1, psutil.cpu_count(logical=False) or 1))
+    sections = [
+        f"# Benchmarks ({args.device})\n\nMachine: {machine(args.device)}. Medians of {repeats} repeat(s).\n",
+        "## Time per micro-batch, as a ratio to Lightning's built-in\n",
+        *throughput(args.device, args.quick, repeats),
+        "\n## The boundary pass (overflow check, scaling, norm, clipping) against its foreach limit\n",
+        *boundary(args.device, args.quick, max(repeats, 5)),
+        "\n## Memory (K=8, measured in a fresh process per mode)\n",
+        *memory(args.device, args.quick),
+        "\n## Host syncs made by the callback (K=4, logging every step)\n",
+        *syncs(args.device, args.quick),
+    ]
+    out = args.out or Path(__file__).parent / f"results-{args.device}{'-quick' if args.quick else ''}.md"
+    out.write_text("\n".join(sections) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

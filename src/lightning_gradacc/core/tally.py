@@ -1,0 +1,117 @@
+"""WindowTally: what a window's micro-batches recorded, reduced to totals only at the boundary.
+
+Recording a micro-batch appends to lists (no kernel launch, no sync); the boundary stacks them into
+totals with a handful of kernels, once per window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class WindowTotals:
+    """Totals of a window as device scalars (or Python numbers where nothing was a tensor)."""
+
+    items: Tensor | float
+    loss_sum: Tensor | float
+    loss_weight: Tensor | float
+    bad_items: Tensor | float  # > 0 when an item count given as a tensor was not positive
+
+
+class WindowTally:
+    """Per-micro-batch item counts and losses of the open window.
+
+    Args:
+        device: Where the totals are built.
+        dtype: Dtype of the totals (float64, or float32 where float64 is unsupported).
+
+    Example:
+        >>> tally = WindowTally(torch.device("cpu"), torch.float64)
+        >>> tally.add(4, torch.tensor(1.0))
+        >>> tally.add(torch.tensor(2), torch.tensor(4.0))
+        >>> totals = tally.totals()
+        >>> float(totals.items), float(totals.loss_sum / totals.loss_weight)
+        (6.0, 2.0)
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the window."""
+        self.host_items = 0
+        self.host_loss_sum = 0.0
+        self.host_loss_weight = 0.0
+        self.item_tensors: list[Tensor] = []
+        self.unchecked_items: list[Tensor] = []  # item counts given as tensors: checked at the boundary
+        self.losses: list[Tensor] = []
+        self.loss_weights: list[int | Tensor] = []
+
+    def add(
+        self, items: int | Tensor | None, loss: Tensor | float | None, keep: Tensor | None = None
+    ) -> None:
+        """Record one micro-batch; ``keep`` (a device bool) masks a dropped micro-batch out of every total.
+
+        Without ``keep`` this launches no kernel.
+        """
+        if isinstance(items, Tensor):
+            self.unchecked_items.append(items)
+        weight: int | Tensor = 1 if items is None else items
+        if keep is not None:  # a dropped micro-batch's loss is often nan: select, don't multiply
+            weight = torch.where(keep, self._scalar(weight), 0.0)
+            if items is not None:
+                items = weight
+            if loss is not None:
+                loss = torch.where(keep, self._scalar(loss), 0.0)
+        if isinstance(items, Tensor):
+            self.item_tensors.append(items)
+        elif items is not None:
+            self.host_items += items
+        if isinstance(loss, Tensor):
+            self.losses.append(loss.detach())
+            self.loss_weights.append(weight)
+        elif loss is not None:
+            if isinstance(weight, Tensor):
+                self.losses.append(self._scalar(loss))
+                self.loss_weights.append(weight)
+            else:
+                self.host_loss_sum += float(loss) * weight
+                self.host_loss_weight += weight
+
+    def _scalar(self, value: Tensor | float) -> Tensor:
+        if isinstance(value, Tensor):
+            return value.to(device=self.device, dtype=self.dtype, non_blocking=True).reshape(())
+        return torch.full((), float(value), dtype=self.dtype, device=self.device)
+
+    def totals(self) -> WindowTotals:
+        """Sum the window: a few kernels when tensors were recorded, none otherwise."""
+        items: Tensor | float = float(self.host_items)
+        bad_items: Tensor | float = 0.0
+        if self.item_tensors:
+            items = torch.stack([self._scalar(t) for t in self.item_tensors]).sum() + self.host_items
+        if self.unchecked_items:
+            smallest = torch.stack([self._scalar(t) for t in self.unchecked_items]).min()
+            bad_items = (smallest < 1).to(self.dtype)
+        loss_sum: Tensor | float = self.host_loss_sum
+        loss_weight: Tensor | float = self.host_loss_weight
+        if self.losses:
+            losses = torch.stack([self._scalar(loss) for loss in self.losses])
+            int_weights = [w for w in self.loss_weights if isinstance(w, int)]
+            if len(int_weights) == len(self.loss_weights):
+                if len(set(int_weights)) == 1:  # the common case: one micro-batch size
+                    loss_sum = losses.sum() * int_weights[0]
+                else:  # a scalar list: no host-to-device copy
+                    loss_sum = torch.stack(torch._foreach_mul(list(losses.unbind()), int_weights)).sum()
+                loss_weight = float(sum(int_weights)) + self.host_loss_weight
+            else:
+                weight_vector = torch.stack([self._scalar(w) for w in self.loss_weights])
+                loss_sum = (losses * weight_vector).sum()
+                loss_weight = weight_vector.sum() + self.host_loss_weight
+            loss_sum = loss_sum + self.host_loss_sum
+        return WindowTotals(items, loss_sum, loss_weight, bad_items)
