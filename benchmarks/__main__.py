@@ -34,7 +34,6 @@ def machine(device: str) -> str:
 def throughput(device: str, quick: bool, repeats: int) -> list[str]:
     sizes = QUICK_SIZES if quick else SIZES
     ks = (1, 4) if quick else (1, 8, 32)
-    windows = 1 if quick else 3
     lines = [
         "| model | K | " + " | ".join(MODE_TITLES[m] for m in MODES) + " |",
         "|---|---|" + "---|" * len(MODES),
@@ -42,6 +41,7 @@ def throughput(device: str, quick: bool, repeats: int) -> list[str]:
     for size in sizes.values():
         for k in ks:
             # interleave the modes within each repeat, so that drifts of the machine hit all of them alike
+            windows = 1 if quick else max(3, -(-24 // k))  # at least 24 timed micro-batches
             samples: dict[str, list[float]] = {mode: [] for mode in MODES}
             for _ in range(repeats):
                 for mode in MODES:
@@ -76,11 +76,18 @@ def memory(device: str, quick: bool) -> list[str]:
     key, k = ("small", 4) if quick else ("big", 8)
     modes = ("builtin", "callback", "weighted", "buffers")
     peaks = {mode: peak_memory_in_subprocess(mode, key, k, device, quick) for mode in modes}
-    base, params = peaks["builtin"]
-    lines = ["| mode | peak memory during training | extra bytes per trainable parameter |", "|---|---|---|"]
+    base, params, _ = peaks["builtin"]
+    lines = [
+        "| mode | peak memory during training | peak over the built-in, per trainable parameter"
+        " | held by the accumulator (`buffer_bytes`) per parameter |",
+        "|---|---|---|---|",
+    ]
     for mode in modes:
-        peak, _ = peaks[mode]
-        lines.append(f"| {MODE_TITLES[mode]} | {peak / 2**20:,.1f} MiB | {(peak - base) / params:+.2f} |")
+        peak, _, held = peaks[mode]
+        extra = (peak - base) / params
+        lines.append(
+            f"| {MODE_TITLES[mode]} | {peak / 2**20:,.1f} MiB | {extra:+.2f} B | {held / params:.2f} B |"
+        )
         print(lines[-1], flush=True)
     return lines
 
@@ -112,7 +119,7 @@ def main() -> None:
         *throughput(args.device, args.quick, repeats),
         "\n## The boundary pass (overflow check, scaling, norm, clipping) against its foreach limit\n",
         *boundary(args.device, args.quick, max(repeats, 5)),
-        "\n## Memory (K=8, measured in a fresh process per mode)\n",
+        f"\n## Memory ({'tiny model, K=4' if args.quick else 'big model, K=8'}, a fresh process each)\n",
         *memory(args.device, args.quick),
         "\n## Host syncs made by the callback (K=4, logging every step)\n",
         *syncs(args.device, args.quick),

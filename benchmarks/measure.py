@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -97,12 +98,19 @@ class PeakProbe(pl.Callback):
         self.peak = self.tracker.read()
 
 
-def peak_memory_in_subprocess(mode: str, size_key: str, k: int, device: str, quick: bool) -> tuple[int, int]:
-    """(peak bytes, trainable parameters) of one training run in a fresh process (no shared caches)."""
+def peak_memory_in_subprocess(
+    mode: str, size_key: str, k: int, device: str, quick: bool
+) -> tuple[int, int, int]:
+    """(peak bytes, trainable parameters, buffer bytes) of one training run in a fresh process.
+
+    On CPU, glibc's malloc keeps freed memory for reuse, so a resident-set peak would hide new allocations;
+    ``MALLOC_MMAP_THRESHOLD_`` makes every allocation above 128 KiB its own mapping, returned when freed.
+    """
     command = [sys.executable, "-m", "benchmarks.measure", mode, size_key, str(k), device, str(int(quick))]
-    result = subprocess.run(command, capture_output=True, text=True, check=True)
-    peak, params = result.stdout.split()[-2:]
-    return int(peak), int(params)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    result = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+    peak, params, held = result.stdout.split()[-3:]
+    return int(peak), int(params), int(held)
 
 
 def _memory_main(mode: str, size_key: str, k: str, device: str, quick: str) -> None:
@@ -111,7 +119,9 @@ def _memory_main(mode: str, size_key: str, k: str, device: str, quick: str) -> N
     size: Size = (QUICK_SIZES if quick == "1" else SIZES)[size_key]
     probe = PeakProbe(device)
     _, module = lightning_run(mode, size, int(k), windows=2, device=device, extra=[probe])
-    print(probe.peak, sum(p.numel() for p in module.parameters()))
+    callbacks = [c for c in module.trainer.callbacks if isinstance(c, GradientAccumulationCallback)]
+    held = callbacks[0].stats.buffer_bytes if callbacks else 0
+    print(probe.peak, sum(p.numel() for p in module.parameters()), held)
 
 
 # -------------------------------------------------------------------------------------------- syncs

@@ -24,7 +24,7 @@ from torch import Tensor
 from ..stats import AccumulationStats
 from .buffers import GradBuffers, resolve_accumulation_dtype
 from .errors import GradientOverflowError
-from .kernels import clamp_, non_finite_names, scale_, total_norm
+from .kernels import GroupKey, clamp_, non_finite_names, scale_, total_norm
 from .memory import WindowPeakMemory
 from .tally import WindowTally, WindowTotals
 from .validation import (
@@ -170,6 +170,8 @@ class GradAccumulator:
                     " unset to save the buffers' memory.",
                     stacklevel=2,
                 )
+        self._grad_groups = self._layout(None)
+        self._buffer_groups = self._layout(self.accumulation_dtype)
         self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self._tally = WindowTally(self.device, self._ledger_dtype)
         self._memory = WindowPeakMemory(self.device)
@@ -183,6 +185,13 @@ class GradAccumulator:
         self._host_ledger: list[float] = [0.0] * len(_LEDGER_FIELDS)
         self._host_ledger_fresh = True
         self._open_window()
+
+    def _layout(self, dtype: torch.dtype | None) -> dict[GroupKey, list[int]]:
+        """Parameter indices grouped by (device, dtype of the gradient or buffer), computed once."""
+        layout: dict[GroupKey, list[int]] = {}
+        for index, (_, param) in enumerate(self._named):
+            layout.setdefault((param.device, dtype or param.dtype), []).append(index)
+        return layout
 
     @staticmethod
     def _trainable(parameters: Iterable[Tensor] | Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
@@ -373,17 +382,23 @@ class GradAccumulator:
         if self._micro_batches == 0:
             raise RuntimeError("`finalize()` was called, but no micro-batch was recorded in this window.")
         from_buffers = self._buffers is not None and self._buffers.holds_window and not self._flushed
+        sources: list[Tensor | None]
         if from_buffers:
             assert self._buffers is not None
-            named = [
-                (name, buffer) for (name, _), buffer in zip(self._named, self._buffers.tensors, strict=True)
-            ]
+            sources, layout = list(self._buffers.tensors), self._buffer_groups
         else:
-            named = [(name, param.grad) for name, param in self._named if param.grad is not None]
-        for name, grad in named:
-            if grad.is_sparse:
+            sources, layout = [param.grad for _, param in self._named], self._grad_groups
+        named = [
+            (name, tensor)
+            for (name, _), tensor in zip(self._named, sources, strict=True)
+            if tensor is not None
+        ]
+        for name, tensor in named:
+            if tensor.is_sparse:
                 raise TypeError(f"Sparse gradients are not supported (parameter `{name}`).")
-        grads = [grad for _, grad in named]
+        grads = {
+            key: [t for i in indices if (t := sources[i]) is not None] for key, indices in layout.items()
+        }
         world_size, all_reduce = self._world()
 
         totals = self._window_totals(world_size, all_reduce)

@@ -10,12 +10,15 @@ Gradients are dense (the accumulator rejects sparse ones).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 GroupKey = tuple[torch.device, torch.dtype]
+# A flat list, or one already grouped by (device, dtype): reading .device and .dtype of hundreds of
+# tensors costs more than the kernels themselves, so callers that know the grouping pass it.
+Tensors = Sequence[Tensor] | Mapping[GroupKey, list[Tensor]]
 
 
 def group_by_device_and_dtype(tensors: Sequence[Tensor]) -> dict[GroupKey, list[Tensor]]:
@@ -32,13 +35,17 @@ def group_by_device_and_dtype(tensors: Sequence[Tensor]) -> dict[GroupKey, list[
     return dict(groups)
 
 
+def _grouped(tensors: Tensors) -> Mapping[GroupKey, list[Tensor]]:
+    return tensors if isinstance(tensors, Mapping) else group_by_device_and_dtype(tensors)
+
+
 def _use_foreach(foreach: bool | None) -> bool:
     # foreach kernels exist for every dense strided tensor on CPU and CUDA; None and True both use them.
     return foreach is not False
 
 
 def total_norm(
-    tensors: Sequence[Tensor], norm_type: float, *, device: torch.device, foreach: bool | None = None
+    tensors: Tensors, norm_type: float, *, device: torch.device, foreach: bool | None = None
 ) -> Tensor:
     """Return the ``norm_type``-norm of all tensors together as a scalar on ``device``.
 
@@ -51,24 +58,30 @@ def total_norm(
         >>> total_norm([torch.tensor([3.0]), torch.tensor([4.0])], 2.0, device=torch.device("cpu"))
         tensor(5.)
     """
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32, device=device)
     per_tensor: list[Tensor] = []
-    for (group_device, group_dtype), group in group_by_device_and_dtype(tensors).items():
+    norm_dtypes = set()
+    for (group_device, group_dtype), group in _grouped(tensors).items():
+        if not group:
+            continue
         # at least float32, so that fp16/bf16 squares cannot overflow; float64 stays float64
         norm_dtype = torch.promote_types(group_dtype, torch.float32)
+        norm_dtypes.add(norm_dtype)
         if _use_foreach(foreach):
             norms: Sequence[Tensor] = torch._foreach_norm(group, norm_type, dtype=norm_dtype)
         else:
             norms = [torch.linalg.vector_norm(t, norm_type, dtype=norm_dtype) for t in group]
-        per_tensor.extend(n.to(device, non_blocking=True) if group_device != device else n for n in norms)
-    if len({n.dtype for n in per_tensor}) > 1:  # float32 and float64 groups: stack in float64
+        if group_device != device:
+            norms = [n.to(device, non_blocking=True) for n in norms]
+        per_tensor.extend(norms)
+    if not per_tensor:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if len(norm_dtypes) > 1:  # float32 and float64 groups: stack in float64
         per_tensor = [n.to(torch.float64) for n in per_tensor]
     total: Tensor = torch.linalg.vector_norm(torch.stack(per_tensor), norm_type)
     return total
 
 
-def scale_(tensors: Sequence[Tensor], factor: float | Tensor, *, foreach: bool | None = None) -> None:
+def scale_(tensors: Tensors, factor: float | Tensor, *, foreach: bool | None = None) -> None:
     """Multiply every tensor in place by ``factor`` (a Python number or a scalar tensor on any device).
 
     Example:
@@ -79,16 +92,22 @@ def scale_(tensors: Sequence[Tensor], factor: float | Tensor, *, foreach: bool |
     """
     if isinstance(factor, (int, float)) and factor == 1.0:
         return
-    for (group_device, group_dtype), group in group_by_device_and_dtype(tensors).items():
-        local = factor.to(group_device, non_blocking=True) if isinstance(factor, Tensor) else factor
+    for (group_device, group_dtype), group in _grouped(tensors).items():
+        if not group:
+            continue
+        local: float | Tensor = factor
+        if isinstance(factor, Tensor):  # in the group's precision (at least float32): no promotion per tensor
+            local = factor.to(
+                group_device, torch.promote_types(group_dtype, torch.float32), non_blocking=True
+            )
         if _use_foreach(foreach):
             torch._foreach_mul_(group, local)
         else:
             for tensor in group:
-                tensor.mul_(local.to(group_dtype) if isinstance(local, Tensor) else local)
+                tensor.mul_(local)
 
 
-def clamp_(tensors: Sequence[Tensor], bound: float, *, foreach: bool | None = None) -> None:
+def clamp_(tensors: Tensors, bound: float, *, foreach: bool | None = None) -> None:
     """Clamp every element of every tensor to ``[-bound, bound]`` in place.
 
     Example:
@@ -97,7 +116,9 @@ def clamp_(tensors: Sequence[Tensor], bound: float, *, foreach: bool | None = No
         >>> grads[0]
         tensor([-1.0000,  0.5000,  1.0000])
     """
-    for group in group_by_device_and_dtype(tensors).values():
+    for group in _grouped(tensors).values():
+        if not group:
+            continue
         if _use_foreach(foreach):
             torch._foreach_clamp_min_(group, -bound)
             torch._foreach_clamp_max_(group, bound)
