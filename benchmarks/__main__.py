@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import statistics
 import time
@@ -40,11 +41,13 @@ def throughput(device: str, quick: bool, repeats: int) -> list[str]:
     ]
     for size in sizes.values():
         for k in ks:
-            # interleave the modes within each repeat, so that drifts of the machine hit all of them alike
             windows = 1 if quick else max(3, -(-24 // k))  # at least 24 timed micro-batches
+            # interleave the modes, rotating their order each repeat, so that drifts of the machine and
+            # the position in a repeat hit all of them alike; collect garbage (old Trainers) before each
             samples: dict[str, list[float]] = {mode: [] for mode in MODES}
-            for _ in range(repeats):
-                for mode in MODES:
+            for repeat in range(repeats):
+                for mode in MODES[repeat % len(MODES) :] + MODES[: repeat % len(MODES)]:
+                    gc.collect()
                     samples[mode].append(seconds_per_micro_batch(mode, size, k, windows, device))
             medians = {mode: statistics.median(values) for mode, values in samples.items()}
             base = medians["builtin"]
@@ -106,7 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke run")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument(
         "--out", type=Path, default=None, help="markdown file (default benchmarks/results-DEVICE.md)"
     )

@@ -1,4 +1,4 @@
-"""One tiny run of ``python -m benchmarks --quick``: the benchmark code keeps working (no timings asserted)."""
+"""One tiny run of ``python -m benchmarks --quick``: the benchmark code keeps working (no timing checked)."""
 
 from __future__ import annotations
 

@@ -48,13 +48,13 @@ def test_config_parses_and_instantiates(config: Path, tmp_path: Path) -> None:
         assert (callback.plan.schedule or callback.plan.fixed) == expected
     else:
         assert callback.plan.target_batch_size == raw["target_batch_size"]
-    assert callback.max_grad_norm == raw.get("max_grad_norm")
+    assert callback.settings.max_grad_norm == raw.get("max_grad_norm")
 
 
 def test_token_lm_config_resolves_the_counter_import_path(tmp_path: Path) -> None:
     cli = build_cli(["--config", str(ROOT / "configs/token_lm.yaml")], run=False)
     callback = the_callback(cli)
-    assert callback.scaling == "weighted"
+    assert callback.settings.scaling == "weighted"
     assert callback.item_count_fn is count_tokens
 
 
@@ -76,11 +76,18 @@ def test_every_callback_argument_is_settable_from_yaml(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(config))
     callback = the_callback(build_cli(["--config", str(path)], run=False))
     assert callback.plan.schedule == {0: 2, 3: 8}
-    assert callback.scaling == "weighted"
+    assert callback.settings.scaling == "weighted"
     assert callback.item_count_fn.__name__ == "count_samples"
-    assert (callback.max_grad_norm, callback.norm_type, callback.clip_value) == (0.5, math.inf, 0.1)
-    assert (callback.overflow, callback.log_stats) == ("raise", False)
-    assert (callback.accumulation_dtype, callback.clip_mode) == (torch.float32, "micro_batch")
+    assert (callback.settings.max_grad_norm, callback.settings.norm_type, callback.settings.clip_value) == (
+        0.5,
+        math.inf,
+        0.1,
+    )
+    assert (callback.settings.overflow, callback.log_stats) == ("raise", False)
+    assert (callback.settings.accumulation_dtype, callback.settings.clip_mode) == (
+        torch.float32,
+        "micro_batch",
+    )
 
 
 @pytest.mark.parametrize(
@@ -94,7 +101,7 @@ def test_callback_arguments_can_be_overridden_on_the_command_line(override: str)
     args = ["--config", str(ROOT / "configs/quickstart.yaml"), *override.split(" ")]
     callback = the_callback(build_cli(args, run=False))
     assert callback.plan.fixed == 8
-    assert callback.max_grad_norm == 1.0  # the rest of the config is kept
+    assert callback.settings.max_grad_norm == 1.0  # the rest of the config is kept
 
 
 def test_invalid_yaml_value_is_reported_with_the_argument_name(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,21 +22,12 @@ import torch
 from torch import Tensor
 
 from ..stats import AccumulationStats
-from .buffers import GradBuffers, resolve_accumulation_dtype
+from .buffers import GradBuffers
 from .errors import GradientOverflowError
 from .kernels import GroupKey, clamp_, non_finite_names, scale_, total_norm
 from .memory import WindowPeakMemory
 from .tally import WindowTally, WindowTotals
-from .validation import (
-    check_buffer_settings,
-    check_clip_mode,
-    check_item_count,
-    check_norm_type,
-    check_optional_positive_float,
-    check_overflow,
-    check_positive_int,
-    check_scaling,
-)
+from .validation import AccumulationSettings, check_item_count, check_positive_int
 from .window_state import WINDOW_STATE_VERSION, check_window_state
 
 _STATE_VERSION = 1
@@ -137,14 +128,15 @@ class GradAccumulator:
         clip_mode: str = "step",
     ) -> None:
         self._accumulation_steps = check_positive_int("accumulation_steps", accumulation_steps)
-        self.scaling = check_scaling(scaling)
-        self.max_grad_norm = check_optional_positive_float("max_grad_norm", max_grad_norm)
-        self.norm_type = check_norm_type(norm_type)
-        self.clip_value = check_optional_positive_float("clip_value", clip_value)
-        self.overflow = check_overflow(overflow)
-        self.clip_mode = check_clip_mode(clip_mode)
-        self.accumulation_dtype = resolve_accumulation_dtype(accumulation_dtype)
-        check_buffer_settings(self.overflow, self.clip_mode, self.accumulation_dtype, self.max_grad_norm)
+        self.settings = AccumulationSettings.checked(
+            scaling=scaling,
+            max_grad_norm=max_grad_norm,
+            norm_type=norm_type,
+            clip_value=clip_value,
+            overflow=overflow,
+            accumulation_dtype=accumulation_dtype,
+            clip_mode=clip_mode,
+        )
         if world_size is not None:
             check_positive_int("world_size", world_size)
         self._world_size = world_size
@@ -157,21 +149,25 @@ class GradAccumulator:
             )
         self.device = self._named[0][1].device
         self._buffers = (
-            GradBuffers(self._named, self.accumulation_dtype, foreach)
-            if self.accumulation_dtype is not None
+            GradBuffers(self._named, self.settings.accumulation_dtype, foreach)
+            if self.settings.accumulation_dtype is not None
             else None
         )
-        if self._buffers is not None and self.overflow != "skip_micro_batch" and self.clip_mode == "step":
-            same = all(param.dtype == self.accumulation_dtype for _, param in self._named)
+        if (
+            self._buffers is not None
+            and self.settings.overflow != "skip_micro_batch"
+            and self.settings.clip_mode == "step"
+        ):
+            dtype = self.settings.accumulation_dtype
+            same = all(param.dtype == dtype for _, param in self._named)
             if same:
                 warnings.warn(
-                    f"`accumulation_dtype={self.accumulation_dtype}` changes nothing: the parameters are"
-                    f" already {self.accumulation_dtype} (e.g. 'bf16-mixed' keeps float32 weights). Leave it"
-                    " unset to save the buffers' memory.",
+                    f"`accumulation_dtype={dtype}` changes nothing: the parameters are already {dtype}"
+                    " (e.g. 'bf16-mixed' keeps float32 weights). Leave it unset to save the buffers' memory.",
                     stacklevel=2,
                 )
         self._grad_groups = self._layout(None)
-        self._buffer_groups = self._layout(self.accumulation_dtype)
+        self._buffer_groups = self._layout(self.settings.accumulation_dtype)
         self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self._tally = WindowTally(self.device, self._ledger_dtype)
         self._memory = WindowPeakMemory(self.device)
@@ -258,7 +254,7 @@ class GradAccumulator:
             >>> GradAccumulator([torch.zeros(1, requires_grad=True)], scaling="weighted").loss_weight(7)
             7
         """
-        if self.scaling != "weighted":
+        if self.settings.scaling != "weighted":
             return 1
         if items is None:
             raise ValueError("`scaling='weighted'` needs the item count of every micro-batch (`items=`).")
@@ -292,7 +288,7 @@ class GradAccumulator:
         """
         if items is not None:
             items = check_item_count(items, "argument `items`")
-        elif self.scaling == "weighted":
+        elif self.settings.scaling == "weighted":
             raise ValueError("`scaling='weighted'` needs the item count of every micro-batch (`items=`).")
         keep = self._absorb(items, grad_scale) if self._buffers is not None and not self._flushed else None
         self._tally.add(items, loss, keep)
@@ -304,11 +300,11 @@ class GradAccumulator:
         assert self._buffers is not None
         keep: Tensor | None = None
         multiplier: Tensor | None = None
-        if self.overflow == "skip_micro_batch" or self.clip_mode == "micro_batch":
+        if self.settings.overflow == "skip_micro_batch" or self.settings.clip_mode == "micro_batch":
             grads = [param.grad for _, param in self._named if param.grad is not None]
-            norm = total_norm(grads, self.norm_type, device=self.device, foreach=self.foreach)
+            norm = total_norm(grads, self.settings.norm_type, device=self.device, foreach=self.foreach)
             finite = torch.isfinite(norm)
-            if self.overflow == "skip_micro_batch":
+            if self.settings.overflow == "skip_micro_batch":
                 bad = (~finite).to(self._ledger_dtype)
                 world_size, all_reduce = self._world()
                 if world_size > 1 and all_reduce is not None:  # every rank drops the same micro-batch
@@ -317,11 +313,11 @@ class GradAccumulator:
                 self._dropped = (
                     bad.clamp(max=1) if self._dropped is None else self._dropped + bad.clamp(max=1)
                 )
-            if self.clip_mode == "micro_batch":
-                assert self.max_grad_norm is not None
+            if self.settings.clip_mode == "micro_batch":
+                assert self.settings.max_grad_norm is not None
                 weight = self.loss_weight(items)
                 own_norm = norm / (self._scalar(weight).to(norm.dtype) * grad_scale).abs()
-                coefficient = torch.clamp(self.max_grad_norm / (own_norm + 1e-6), max=1.0)
+                coefficient = torch.clamp(self.settings.max_grad_norm / (own_norm + 1e-6), max=1.0)
                 clipped = ((coefficient < 1.0) & finite).to(self._ledger_dtype)
                 self._micro_clips = clipped if self._micro_clips is None else self._micro_clips + clipped
                 multiplier = torch.where(finite, coefficient, 1.0)
@@ -404,7 +400,7 @@ class GradAccumulator:
         totals = self._window_totals(world_size, all_reduce)
         items, loss_sum, loss_weight = totals.items, totals.loss_sum, totals.loss_weight
         factor = self._normalization(items, grad_scale, world_size)
-        raw_norm = total_norm(grads, self.norm_type, device=self.device, foreach=self.foreach)
+        raw_norm = total_norm(grads, self.settings.norm_type, device=self.device, foreach=self.foreach)
         norm = raw_norm.to(self._ledger_dtype) * factor
         finite = torch.isfinite(norm)
         steppable = finite
@@ -412,21 +408,21 @@ class GradAccumulator:
             steppable = finite & (self._dropped < self._micro_batches)
         multiplier: Tensor | float = factor
         clipped = torch.zeros((), dtype=torch.bool, device=self.device)
-        if self.max_grad_norm is not None:
-            coefficient = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        if self.settings.max_grad_norm is not None:
+            coefficient = torch.clamp(self.settings.max_grad_norm / (norm + 1e-6), max=1.0)
             clipped = coefficient < 1.0
             multiplier = coefficient * factor
-        if self.clip_value is not None:
+        if self.settings.clip_value is not None:
             raw_max = (
                 raw_norm
-                if self.norm_type == math.inf
+                if self.settings.norm_type == math.inf
                 else total_norm(grads, math.inf, device=self.device, foreach=self.foreach)
             )
-            clipped = clipped | (raw_max.to(self._ledger_dtype) * multiplier > self.clip_value)
+            clipped = clipped | (raw_max.to(self._ledger_dtype) * multiplier > self.settings.clip_value)
         clipped = clipped & finite
 
         nonfinite = (~finite).to(self._ledger_dtype)
-        skips = overflow_handled_externally or self.overflow in ("skip", "skip_micro_batch")
+        skips = overflow_handled_externally or self.settings.overflow in ("skip", "skip_micro_batch")
         overflows = nonfinite if self._dropped is None else nonfinite + self._dropped
         not_steppable = (~steppable).to(self._ledger_dtype)
         if self._micro_clips is not None:
@@ -447,21 +443,21 @@ class GradAccumulator:
         self._optimizer_steps += 1
         self._peak_memory_bytes = self._memory.read()
         try:
-            decides = not overflow_handled_externally and self.overflow in (
+            decides = not overflow_handled_externally and self.settings.overflow in (
                 "skip",
                 "raise",
                 "skip_micro_batch",
             )
             # The one host sync of this step, and only where a decision needs it.
             if decides and not self._sync(steppable):
-                if self.overflow == "raise":
+                if self.settings.overflow == "raise":
                     raise GradientOverflowError(step, non_finite_names(named))
                 for _, param in self._named:
                     param.grad = None
                 return False
             scale_(grads, multiplier, foreach=self.foreach)
-            if self.clip_value is not None:
-                clamp_(grads, self.clip_value, foreach=self.foreach)
+            if self.settings.clip_value is not None:
+                clamp_(grads, self.settings.clip_value, foreach=self.foreach)
             if (
                 from_buffers and self._buffers is not None
             ):  # one rounding to the parameters' dtype, at the end
@@ -494,11 +490,11 @@ class GradAccumulator:
 
     def _normalization(self, items: Tensor | float, grad_scale: float, world_size: int) -> Tensor | float:
         """The factor that turns ``.grad`` into the contract's gradient (see ARCHITECTURE.md section 2)."""
-        if self.scaling == "mean":
+        if self.settings.scaling == "mean":
             if self._dropped is not None:
                 return 1.0 / ((self._micro_batches - self._dropped).clamp(min=1) * grad_scale)
             return 1.0 / (self._micro_batches * grad_scale)
-        if self.scaling == "sum":
+        if self.settings.scaling == "sum":
             return 1.0 / grad_scale
         # weighted: .grad holds (1/R) * sum_r sum_i n_ri g_ri * grad_scale after DDP's averaging
         if isinstance(items, Tensor):

@@ -17,29 +17,6 @@ from torch import Tensor
 from .kernels import scale_
 
 
-def resolve_accumulation_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
-    """Turn ``"float32"``/``"fp32"``/``torch.float32`` into a floating dtype (``None`` stays ``None``).
-
-    Example:
-        >>> resolve_accumulation_dtype("fp32")
-        torch.float32
-    """
-    if value is None or isinstance(value, torch.dtype):
-        dtype = value
-    elif isinstance(value, str):
-        name = value.removeprefix("torch.")
-        name = {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfloat16"}.get(name, name)
-        dtype = getattr(torch, name, None)
-    else:
-        dtype = None
-    if value is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise ValueError(
-            "Expected argument `accumulation_dtype` to be a floating dtype such as 'float32',"
-            f" but got {value!r}."
-        )
-    return dtype
-
-
 class GradBuffers:
     """One buffer per parameter, allocated lazily on the parameter's device.
 

@@ -2,23 +2,22 @@
 
 On CUDA the allocator's peak is reset at the start of a window and read at its end. On Linux CPUs the
 kernel's resident-set high-water mark is reset the same way (writing ``5`` to ``/proc/self/clear_refs``)
-and read with ``getrusage``: two system calls, about 2 µs per window. Where that is not possible the
-resident set size sampled at the end of the window is reported instead. Nothing here synchronizes with a
-device.
+and read from ``VmHWM`` in ``/proc/self/status`` through descriptors kept open: about 10 µs per window.
+(``getrusage`` would be cheaper but wrong: after ``fork``/``exec`` it starts at the parent's peak.) Where
+that is not possible the resident set size sampled at the end of the window is reported instead.
+Nothing here synchronizes with a device.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import psutil
 import torch
 
-try:
-    import resource
-except ImportError:  # not on Windows
-    resource = None  # type: ignore[assignment]
+_HWM = re.compile(rb"VmHWM:\s+(\d+)\s+kB")
 
 
 class WindowPeakMemory:
@@ -38,16 +37,30 @@ class WindowPeakMemory:
         self.device = device
         self._process: psutil.Process | None = None
         self._clear_refs: int | None = None
-        if device.type == "cpu" and sys.platform.startswith("linux") and resource is not None:
+        self._status: int | None = None
+        if device.type == "cpu" and sys.platform.startswith("linux"):
             try:
                 self._clear_refs = os.open("/proc/self/clear_refs", os.O_WRONLY)
+                self._status = os.open("/proc/self/status", os.O_RDONLY)
                 os.write(self._clear_refs, b"5")
+                if self._read_hwm() is None:
+                    raise OSError("no VmHWM")
             except OSError:
-                self._clear_refs = None
+                self._close()
+
+    def _close(self) -> None:
+        for fd in (self._clear_refs, self._status):
+            if fd is not None:
+                os.close(fd)
+        self._clear_refs = self._status = None
 
     def __del__(self) -> None:
-        if self._clear_refs is not None:
-            os.close(self._clear_refs)
+        self._close()
+
+    def _read_hwm(self) -> int | None:
+        assert self._status is not None
+        match = _HWM.search(os.pread(self._status, 16384, 0))
+        return int(match.group(1)) * 1024 if match else None
 
     def __getstate__(self) -> dict[str, object]:  # picklable (ddp_spawn): the descriptor is reopened
         return {"device": self.device}
@@ -66,8 +79,10 @@ class WindowPeakMemory:
         """Return the peak in bytes since :meth:`start` (CUDA allocator peak, or process RSS on CPU)."""
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        if self._clear_refs is not None:
-            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB on Linux
+        if self._status is not None:
+            peak = self._read_hwm()
+            if peak is not None:
+                return peak
         if self._process is None:
             self._process = psutil.Process()
         return int(self._process.memory_info().rss)

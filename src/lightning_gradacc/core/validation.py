@@ -6,6 +6,7 @@ Every check raises before any training starts and names the argument, the value 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
@@ -51,6 +52,19 @@ def check_schedule(name: str, schedule: Any) -> dict[int, int]:
     return dict(sorted(schedule.items()))
 
 
+def check_choice(name: str, value: Any, choices: Any) -> str:
+    """Return ``value`` if it is one of the ``Literal`` type ``choices``.
+
+    Example:
+        >>> check_choice("clip_mode", "step", ClipMode)
+        'step'
+    """
+    allowed = list(get_args(choices))
+    if value not in allowed:
+        raise ValueError(f"Expected argument `{name}` to be one of {allowed}, but got {value!r}.")
+    return str(value)
+
+
 def check_scaling(value: Any) -> str:
     """Return the canonical scaling name (``"mean"``, ``"sum"`` or ``"weighted"``); aliases are resolved.
 
@@ -58,39 +72,18 @@ def check_scaling(value: Any) -> str:
         >>> check_scaling("average")
         'mean'
     """
-    if value not in get_args(Scaling):
-        raise ValueError(
-            f"Expected argument `scaling` to be one of {list(get_args(Scaling))}, but got {value!r}."
-        )
-    return _SCALING_ALIASES.get(str(value), str(value))
+    name = check_choice("scaling", value, Scaling)
+    return _SCALING_ALIASES.get(name, name)
 
 
 def check_overflow(value: Any) -> str:
-    """Return ``value`` if it is a known overflow policy.
-
-    Example:
-        >>> check_overflow("skip")
-        'skip'
-    """
-    if value not in get_args(OverflowPolicy):
-        raise ValueError(
-            f"Expected argument `overflow` to be one of {list(get_args(OverflowPolicy))}, but got {value!r}."
-        )
-    return str(value)
+    """Return ``value`` if it is a known overflow policy."""
+    return check_choice("overflow", value, OverflowPolicy)
 
 
 def check_clip_mode(value: Any) -> str:
-    """Return ``value`` if it is a known clipping mode.
-
-    Example:
-        >>> check_clip_mode("micro_batch")
-        'micro_batch'
-    """
-    if value not in get_args(ClipMode):
-        raise ValueError(
-            f"Expected argument `clip_mode` to be one of {list(get_args(ClipMode))}, but got {value!r}."
-        )
-    return str(value)
+    """Return ``value`` if it is a known clipping mode."""
+    return check_choice("clip_mode", value, ClipMode)
 
 
 def check_optional_positive_float(name: str, value: Any) -> float | None:
@@ -166,3 +159,71 @@ def check_buffer_settings(
             )
     if clip_mode == "micro_batch" and max_grad_norm is None:
         raise ValueError("`clip_mode='micro_batch'` clips to `max_grad_norm`, which is not set.")
+
+
+def resolve_accumulation_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """Turn ``"float32"``/``"fp32"``/``torch.float32`` into a floating dtype (``None`` stays ``None``).
+
+    Example:
+        >>> resolve_accumulation_dtype("fp32")
+        torch.float32
+    """
+    if value is None or isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str):
+        name = value.removeprefix("torch.")
+        name = {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfloat16"}.get(name, name)
+        dtype = getattr(torch, name, None)
+    else:
+        dtype = None
+    if value is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(
+            "Expected argument `accumulation_dtype` to be a floating dtype such as 'float32',"
+            f" but got {value!r}."
+        )
+    return dtype
+
+
+@dataclass(frozen=True)
+class AccumulationSettings:
+    """The math settings shared by ``GradAccumulator`` and the callback, checked and normalized once.
+
+    Example:
+        >>> AccumulationSettings.checked(scaling="average", norm_type="inf").scaling
+        'mean'
+    """
+
+    scaling: str = "mean"
+    max_grad_norm: float | None = None
+    norm_type: float = 2.0
+    clip_value: float | None = None
+    overflow: str = "skip"
+    accumulation_dtype: torch.dtype | None = None
+    clip_mode: str = "step"
+
+    @classmethod
+    def checked(
+        cls,
+        *,
+        scaling: Any = "mean",
+        max_grad_norm: Any = None,
+        norm_type: Any = 2.0,
+        clip_value: Any = None,
+        overflow: Any = "skip",
+        accumulation_dtype: Any = None,
+        clip_mode: Any = "step",
+    ) -> AccumulationSettings:
+        """Check every argument (naming it and its value in the error) and the combinations."""
+        settings = cls(
+            scaling=check_scaling(scaling),
+            max_grad_norm=check_optional_positive_float("max_grad_norm", max_grad_norm),
+            norm_type=check_norm_type(norm_type),
+            clip_value=check_optional_positive_float("clip_value", clip_value),
+            overflow=check_overflow(overflow),
+            accumulation_dtype=resolve_accumulation_dtype(accumulation_dtype),
+            clip_mode=check_clip_mode(clip_mode),
+        )
+        check_buffer_settings(
+            settings.overflow, settings.clip_mode, settings.accumulation_dtype, settings.max_grad_norm
+        )
+        return settings
