@@ -120,7 +120,8 @@ class ResumableLoader(DataLoader):  # type: ignore[type-arg]
         return {"consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.consumed = self._skip = state["consumed"]
+        finished = state["consumed"] >= len(self)  # saved on the epoch's last batch: start the next one
+        self.consumed = self._skip = 0 if finished else state["consumed"]
 
 
 def ordered_loader(

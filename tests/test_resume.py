@@ -239,3 +239,36 @@ def test_resume_mid_window_under_16_mixed(tmp_path: Path) -> None:
         resumed, ckpt_path=path
     )
     assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6
+
+
+def test_time_interval_checkpoints_resume_exactly(tmp_path: Path) -> None:
+    """ModelCheckpoint(train_time_interval=...) checkpoints resume exactly.
+
+    In Lightning 2.6.6 it saves only when ``global_step`` changed since its last save, so its checkpoints
+    fall on the last micro-batch of a window (the window is closed); the callback must handle both.
+    """
+    import time
+    from datetime import timedelta
+
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    class Slow(h.RegressionModule):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            time.sleep(0.003)
+            return super().training_step(batch, batch_idx)
+
+    def slow() -> Slow:
+        return Slow(h.regression_data(38), resumable=True)
+
+    expected = slow()
+    h.trainer(callbacks=[make_callback("weighted")], max_epochs=EPOCHS).fit(expected)
+    saver = ModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(milliseconds=1), save_top_k=-1)
+    h.trainer(callbacks=[make_callback("weighted"), saver], max_epochs=EPOCHS, enable_checkpointing=True).fit(
+        slow()
+    )
+    saved = sorted(tmp_path.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    assert len(saved) >= 3
+    for path in saved[:3]:
+        resumed = slow()
+        h.trainer(callbacks=[make_callback("weighted")], max_epochs=EPOCHS).fit(resumed, ckpt_path=path)
+        assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6, path.name
