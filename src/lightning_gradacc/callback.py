@@ -6,7 +6,6 @@ It decides *when* (which hook, which micro-batch, which rank); the core computes
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -441,10 +440,9 @@ class GradientAccumulationCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._accumulator is not None and self._accumulator.current_step:
-            warnings.warn(
+            rank_zero_warn(
                 f"Training ended inside a window: {self._accumulator.current_step} micro-batch(es) were"
-                " back-propagated but never stepped; their gradients are discarded.",
-                stacklevel=1,
+                " back-propagated but never stepped; their gradients are discarded."
             )
             self._accumulator.reset(set_grads_to_none=False)
 

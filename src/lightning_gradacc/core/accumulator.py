@@ -458,10 +458,9 @@ class GradAccumulator:
             scale_(grads, multiplier, foreach=self.foreach)
             if self.settings.clip_value is not None:
                 clamp_(grads, self.settings.clip_value, foreach=self.foreach)
-            if (
-                from_buffers and self._buffers is not None
-            ):  # one rounding to the parameters' dtype, at the end
-                self._buffers.write_to_grads()
+            if from_buffers:
+                assert self._buffers is not None
+                self._buffers.write_to_grads()  # one rounding to the parameters' dtype, at the end
             return True
         finally:
             self._open_window()
