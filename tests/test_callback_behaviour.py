@@ -286,3 +286,32 @@ class _Unsized(torch.utils.data.Sampler):
 def test_stats_before_fit() -> None:
     assert GradientAccumulationCallback(3).stats == AccumulationStats(accumulation_steps=3)
     assert isinstance(GradientAccumulationCallback(), pl.Callback)
+
+
+class _Batches:
+    """An iterable of ready batches (a plain list would be taken for a list of dataloaders)."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def test_batches_without_an_inferable_size_warn_once_and_still_train() -> None:
+    class Opaque(h.RegressionModule):
+        def train_dataloader(self):
+            # plain lists: nothing Lightning can take a batch size from
+            return _Batches([{"x": x.tolist(), "y": y.tolist()} for x, y in super().train_dataloader()])
+
+        def training_step(self, batch, batch_idx):
+            return super().training_step((torch.tensor(batch["x"]), torch.tensor(batch["y"])), batch_idx)
+
+    callback = GradientAccumulationCallback(4)
+    with pytest.warns(UserWarning, match="Could not infer the batch size of batch 0"):
+        h.trainer(callbacks=[callback]).fit(Opaque(h.regression_data(40)))
+    assert callback.stats.optimizer_steps == 3
+    assert callback.stats.items_last_step == 0

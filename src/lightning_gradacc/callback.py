@@ -157,6 +157,7 @@ class GradientAccumulationCallback(Callback):
         self._stepped = False
         self._stashed_clip_val: float | int | None = None
         self._skips_warned = 0
+        self._warned_no_items = False
 
     # ------------------------------------------------------------------------------------ reporting
 
@@ -339,6 +340,12 @@ class GradientAccumulationCallback(Callback):
                     f"`scaling='weighted'` needs the item count of every batch, but Lightning could not infer"
                     f" the batch size of batch {batch_idx}. Pass `item_count_fn=`."
                 ) from error
+            if not self._warned_no_items:
+                self._warned_no_items = True
+                rank_zero_warn(
+                    f"Could not infer the batch size of batch {batch_idx} ({error}); the `items_per_step`"
+                    " statistic will not count such batches. Scaling is unaffected."
+                )
             self._pending_items = None
 
     def _amp_scale(self) -> Tensor | None:
