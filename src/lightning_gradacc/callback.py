@@ -97,6 +97,12 @@ class GradientAccumulationCallback(Callback):
         clip_mode: ``"step"`` clips the final gradient; ``"micro_batch"`` clips each micro-batch's own
             gradient to ``max_grad_norm`` before it is added (needs ``accumulation_dtype``).
 
+    Attributes:
+        plan: How K is chosen (:class:`~lightning_gradacc.schedule.AccumulationPlan`).
+        settings: The checked math settings, shared with the core accumulator.
+        item_count_fn: The item counter, or ``None``.
+        log_stats: Whether statistics are logged.
+
     Example:
         >>> from pytorch_lightning import Trainer
         >>> callback = GradientAccumulationCallback(4, max_grad_norm=1.0)
