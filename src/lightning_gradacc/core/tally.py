@@ -89,19 +89,26 @@ class WindowTally:
             return value.to(device=self.device, dtype=self.dtype, non_blocking=True).reshape(())
         return torch.full((), float(value), dtype=self.dtype, device=self.device)
 
+    def _vector(self, scalars: list[Tensor]) -> Tensor:
+        """Stack scalars into one vector of the totals' dtype: one stack and one cast when they agree."""
+        first = scalars[0]
+        if all(t.dtype == first.dtype and t.device == first.device and t.dim() == 0 for t in scalars):
+            return torch.stack(scalars).to(device=self.device, dtype=self.dtype, non_blocking=True)
+        return torch.stack([self._scalar(t) for t in scalars])
+
     def totals(self) -> WindowTotals:
         """Sum the window: a few kernels when tensors were recorded, none otherwise."""
         items: Tensor | float = float(self.host_items)
         bad_items: Tensor | float = 0.0
         if self.item_tensors:
-            items = torch.stack([self._scalar(t) for t in self.item_tensors]).sum() + self.host_items
+            items = self._vector(self.item_tensors).sum() + self.host_items
         if self.unchecked_items:
-            smallest = torch.stack([self._scalar(t) for t in self.unchecked_items]).min()
+            smallest = self._vector(self.unchecked_items).min()
             bad_items = (smallest < 1).to(self.dtype)
         loss_sum: Tensor | float = self.host_loss_sum
         loss_weight: Tensor | float = self.host_loss_weight
         if self.losses:
-            losses = torch.stack([self._scalar(loss) for loss in self.losses])
+            losses = self._vector(self.losses)
             int_weights = [w for w in self.loss_weights if isinstance(w, int)]
             if len(int_weights) == len(self.loss_weights):
                 if len(set(int_weights)) == 1:  # the common case: one micro-batch size
