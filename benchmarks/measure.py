@@ -85,17 +85,30 @@ def boundary_pass(params: list[Tensor], device: str, repeats: int) -> dict[str, 
 
 
 class PeakProbe(pl.Callback):
-    """Peak memory from the start of training to its end (allocator peak on CUDA, resident peak on CPU)."""
+    """Peak memory over the whole training run (allocator peak on CUDA, resident peak on CPU).
+
+    The accumulation callback resets the process-wide peak at every window start, so this probe (placed
+    before it) reads the peak at every point where a reset may follow and keeps the maximum.
+    """
 
     def __init__(self, device: str) -> None:
         self.tracker = WindowPeakMemory(torch.device(device))
         self.peak = 0
 
+    def _read(self) -> None:
+        self.peak = max(self.peak, self.tracker.read())
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self.tracker.start()
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self.peak = self.tracker.read()
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self._read()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._read()
+
+    def on_train_end(self, *args: Any) -> None:
+        self._read()
 
 
 def peak_memory_in_subprocess(

@@ -136,7 +136,7 @@ def lightning_run(
         devices=1,
         max_epochs=1,
         accumulate_grad_batches=k if mode == "builtin" else 1,
-        callbacks=[*accumulation_callbacks(mode, k), timer, *(extra or [])],
+        callbacks=[*(extra or []), *accumulation_callbacks(mode, k), timer],  # probes see hooks first
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
