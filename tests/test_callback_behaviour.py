@@ -264,23 +264,12 @@ def test_target_batch_size_needs_a_fixed_batch_size() -> None:
     class NoBatchSize(h.RegressionModule):
         def train_dataloader(self):
             sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(self.data), 4, False)
-            return torch.utils.data.DataLoader(self.data, batch_sampler=_Unsized(sampler))
+            return torch.utils.data.DataLoader(self.data, batch_sampler=_Batches(sampler))
 
     with pytest.raises(RuntimeError, match="has no fixed `batch_size`"):
         h.trainer(callbacks=[GradientAccumulationCallback(target_batch_size=8)]).fit(
             NoBatchSize(h.regression_data(8))
         )
-
-
-class _Unsized(torch.utils.data.Sampler):
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __iter__(self):
-        return iter(self.inner)
-
-    def __len__(self) -> int:
-        return len(self.inner)
 
 
 def test_stats_before_fit() -> None:
@@ -289,9 +278,9 @@ def test_stats_before_fit() -> None:
 
 
 class _Batches:
-    """An iterable of ready batches (a plain list would be taken for a list of dataloaders)."""
+    """A sized iterable without a ``batch_size`` (a plain list would be taken for a list of dataloaders)."""
 
-    def __init__(self, batches: list[Any]) -> None:
+    def __init__(self, batches: Any) -> None:
         self.batches = batches
 
     def __iter__(self):
