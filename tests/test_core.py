@@ -283,3 +283,11 @@ def test_core_imports_without_lightning() -> None:
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sparse_gradients_are_refused_with_the_parameter_name() -> None:
+    embedding = nn.Embedding(5, 2, sparse=True)
+    accumulator = GradAccumulator(embedding.named_parameters(), 1)
+    accumulator.backward(embedding(torch.tensor([1, 3])).sum())
+    with pytest.raises(TypeError, match="Sparse gradients are not supported \\(parameter `weight`\\)"):
+        accumulator.finalize()

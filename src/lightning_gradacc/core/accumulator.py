@@ -384,14 +384,10 @@ class GradAccumulator:
             sources, layout = list(self._buffers.tensors), self._buffer_groups
         else:
             sources, layout = [param.grad for _, param in self._named], self._grad_groups
-        named = [
-            (name, tensor)
-            for (name, _), tensor in zip(self._named, sources, strict=True)
-            if tensor is not None
-        ]
-        for name, tensor in named:
-            if tensor.is_sparse:
-                raise TypeError(f"Sparse gradients are not supported (parameter `{name}`).")
+        if not from_buffers:  # buffers are dense by construction
+            for (name, _), tensor in zip(self._named, sources, strict=True):
+                if tensor is not None and tensor.is_sparse:
+                    raise TypeError(f"Sparse gradients are not supported (parameter `{name}`).")
         grads = {
             key: [t for i in indices if (t := sources[i]) is not None] for key, indices in layout.items()
         }
@@ -451,6 +447,7 @@ class GradAccumulator:
             # The one host sync of this step, and only where a decision needs it.
             if decides and not self._sync(steppable):
                 if self.settings.overflow == "raise":
+                    named = [(n, t) for (n, _), t in zip(self._named, sources, strict=True) if t is not None]
                     raise GradientOverflowError(step, non_finite_names(named))
                 for _, param in self._named:
                     param.grad = None
