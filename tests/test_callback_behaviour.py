@@ -191,17 +191,20 @@ def test_double_clipping_warns() -> None:
         trainer.fit(h.RegressionModule(h.regression_data(8)))
 
 
-def test_bad_item_count_fn_result_raises_at_that_batch() -> None:
+@pytest.mark.parametrize("bad", [-3, float("nan"), "many"])
+def test_bad_item_count_fn_result_raises_naming_that_batch(bad: Any) -> None:
     calls = iter(range(100))
 
-    def counter(batch: Any) -> int:
-        return 0 if next(calls) == 3 else 4
+    def counter(batch: Any) -> Any:
+        return bad if next(calls) == 3 else 4
 
+    module = h.RegressionModule(h.regression_data(40))
     callback = GradientAccumulationCallback(2, scaling="weighted", item_count_fn=counter)
-    with pytest.raises(
-        ValueError, match="result of `item_count_fn` at batch 3 to be a positive integer, but got 0"
-    ):
-        h.trainer(callbacks=[callback]).fit(h.RegressionModule(h.regression_data(40)))
+    with pytest.raises(ValueError, match=f"item count of batch 3 \\(from `item_count_fn`\\).*{bad}"):
+        h.trainer(callbacks=[callback]).fit(module)
+    # raised at that window's boundary, before its update: only the window of batches 0 and 1 was stepped
+    expected = h.big_batch_reference(h.regression_net(), h.regression_data(40), 4, [[0, 1]], h.mse)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
 
 
 # ----------------------------------------------------------------------------------- bad arguments

@@ -1,7 +1,7 @@
 """Correct, observable and fast gradient accumulation for PyTorch Lightning.
 
-``GradientAccumulationCallback`` is imported lazily so that ``lightning_gradacc.core`` (torch only) can be
-used without importing Lightning.
+``GradientAccumulationCallback`` and ``estimated_stepping_batches`` are imported lazily so that
+``lightning_gradacc.core`` (torch only) can be used without importing Lightning.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from .core import GradAccumulator, GradientOverflowError
 from .stats import AccumulationStats
 
 if TYPE_CHECKING:
-    from .callback import GradientAccumulationCallback
+    from .callback import GradientAccumulationCallback, estimated_stepping_batches
 
 __version__ = "0.1.0"
 
@@ -22,12 +22,13 @@ __all__ = [
     "GradientAccumulationCallback",
     "GradientOverflowError",
     "__version__",
+    "estimated_stepping_batches",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "GradientAccumulationCallback":
-        from .callback import GradientAccumulationCallback
+    if name in ("GradientAccumulationCallback", "estimated_stepping_batches"):
+        from . import callback
 
-        return GradientAccumulationCallback
+        return getattr(callback, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,20 +6,25 @@ It decides *when* (which hook, which micro-batch, which rank); the core computes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback, GradientAccumulationScheduler
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.data import extract_batch_size
+from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import Tensor
 from typing_extensions import override
 
 from .core import GradAccumulator
-from .core.validation import AccumulationSettings, check_item_count
+from .core.accumulator import ItemCount
+from .core.validation import AccumulationSettings
 from .schedule import AccumulationPlan
 from .stats import AccumulationStats
 
@@ -32,6 +37,7 @@ LOGGED_NAMES = {
     "skipped_steps": "skipped_steps",
     "overflow_count": "overflow_count",
     "clip_count": "clip_count",
+    "empty_windows": "empty_windows",
     "last_grad_norm": "grad_norm",
     "max_grad_norm_seen": "max_grad_norm_seen",
     "items_last_step": "items_per_step",
@@ -40,7 +46,7 @@ LOGGED_NAMES = {
     "buffer_bytes": "buffer_bytes",
     "peak_memory_bytes": "peak_memory_bytes",
 }
-# Returns int | Tensor. Annotated Any: jsonargparse rejects a function returning just `int` for a union.
+# Returns a number or a Tensor. Annotated Any: jsonargparse rejects a function returning `int` for a union.
 ItemCountFn = Callable[[Any], Any]
 
 
@@ -60,9 +66,94 @@ def _inferred_batch_size(batch: Any) -> int:
     return extract_batch_size(batch)
 
 
+def _tensors(batch: Any) -> Iterator[Tensor]:
+    """Every tensor in a batch: through mappings, lists, tuples (namedtuples too) and dataclasses."""
+    if isinstance(batch, Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from _tensors(value)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for field in dataclasses.fields(batch):
+            yield from _tensors(getattr(batch, field.name))
+
+
+def unambiguous_batch_size(batch: Any) -> int:
+    """The batch size, when every tensor of the batch agrees on it; else ``ValueError`` saying why.
+
+    Lightning's inference takes the first tensor it finds, which silently gives 1 for a batch that starts
+    with a scalar (e.g. a namedtuple whose first field is a sequence length). ``scaling="weighted"`` weights
+    every micro-batch by this number, so a guess is not good enough.
+
+    Example:
+        >>> unambiguous_batch_size((torch.zeros(4, 3), torch.zeros(4)))
+        4
+    """
+    sizes: set[int] = set()
+    for tensor in _tensors(batch):
+        if tensor.dim() == 0:
+            raise ValueError("it holds a 0-dimensional tensor, which has no batch dimension")
+        sizes.add(len(tensor))
+    if not sizes:
+        raise ValueError(f"it holds no tensor ({type(batch).__name__})")
+    if len(sizes) > 1:
+        raise ValueError(f"its tensors disagree on the first dimension ({sorted(sizes)})")
+    return sizes.pop()
+
+
 def _should_accumulate(trainer: pl.Trainer) -> bool:
     """Whether the current micro-batch does not end a window (Lightning's own, private, test)."""
     return bool(trainer.fit_loop._should_accumulate())
+
+
+def _optimized_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, Tensor]]:
+    """What the optimizers step (their ``param_groups``), named through the module.
+
+    This is the set Lightning's clipping and the GradScaler work on: a parameter that requires grad but is in
+    no optimizer (a frozen teacher, a loss module) is left alone.
+    """
+    names = {id(param): name for name, param in pl_module.named_parameters()}
+    named: list[tuple[str, Tensor]] = []
+    seen: set[int] = set()
+    for o, optimizer in enumerate(trainer.optimizers):
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    named.append((names.get(id(param), f"optimizer{o}.param_groups[{g}][{i}]"), param))
+    return named or list(pl_module.named_parameters())  # no optimizer: nothing steps, keep the module's
+
+
+def _param_groups_signature(trainer: pl.Trainer) -> tuple[tuple[int, int], ...]:
+    """Changes when a parameter group is added, or its list replaced or resized (``BaseFinetuning``)."""
+    return tuple(
+        (id(group["params"]), len(group["params"]))
+        for optimizer in trainer.optimizers
+        for group in optimizer.param_groups
+    )
+
+
+def _all_reduce_sum(tensor: Tensor) -> Tensor:
+    # A plain all-reduce: Lightning's `strategy.reduce` puts a host-blocking barrier before every one.
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
+    """The exact number of optimizer steps of ``trainer``'s fit, for step-interval LR schedulers.
+
+    With a :class:`GradientAccumulationCallback` this follows its plan (an epoch schedule changes K per
+    epoch, which ``trainer.estimated_stepping_batches`` ignores); without one it is Lightning's estimate.
+    Call it where Lightning's is called, e.g. in ``configure_optimizers``:
+    ``OneCycleLR(optimizer, max_lr=0.1, total_steps=estimated_stepping_batches(self.trainer))``.
+    """
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, GradientAccumulationCallback):
+            return callback.estimated_stepping_batches(trainer)
+    return trainer.estimated_stepping_batches
 
 
 class GradientAccumulationCallback(Callback):
@@ -74,14 +165,19 @@ class GradientAccumulationCallback(Callback):
     micro-batches and ranks. It also detects non-finite gradients once per step, clips the final gradient
     once, and logs what happened in each window under ``grad_accum/``.
 
+    It puts itself first among the Trainer's callbacks, so that every other callback and the
+    LightningModule see the final gradient in ``on_before_optimizer_step``.
+
     Args:
         accumulation_steps: K; or ``{epoch: K}`` (as Lightning's ``GradientAccumulationScheduler``);
             ``None`` adopts ``Trainer(accumulate_grad_batches=...)``.
         target_batch_size: Items per optimizer step over all ranks; K = ceil(target / (micro-batch size x
-            world size)), resolved when training starts. Exclusive with ``accumulation_steps``.
+            world size)), resolved in ``setup`` (before ``configure_optimizers``, so that
+            ``trainer.estimated_stepping_batches`` is exact). Exclusive with ``accumulation_steps``.
         scaling: ``"mean"`` (alias ``"average"``), ``"sum"`` or ``"weighted"`` (alias ``"dynamic"``).
-        item_count_fn: ``batch -> int | Tensor``: items in a micro-batch for ``"weighted"`` (default: the
-            batch size Lightning infers). A device tensor is fine (no sync).
+        item_count_fn: ``batch -> number | Tensor``: items in a micro-batch for ``"weighted"`` (default: the
+            batch size, when every tensor of the batch agrees on it). Any finite number >= 0; a device tensor
+            is fine (no sync). A micro-batch with 0 items weighs nothing.
         max_grad_norm: Clip the total gradient norm to this value once per optimizer step.
         norm_type: Order of the norm (any ``p > 0``, or ``inf``).
         clip_value: Clamp each gradient element to ``[-clip_value, clip_value]`` once per step.
@@ -98,7 +194,8 @@ class GradientAccumulationCallback(Callback):
             gradient to ``max_grad_norm`` before it is added (needs ``accumulation_dtype``).
 
     Attributes:
-        plan: How K is chosen (:class:`~lightning_gradacc.schedule.AccumulationPlan`).
+        plan: How K is chosen, as configured (:class:`~lightning_gradacc.schedule.AccumulationPlan`); each
+            fit works on its own copy.
         settings: The checked math settings, shared with the core accumulator.
         item_count_fn: The item counter, or ``None``.
         log_stats: Whether statistics are logged.
@@ -140,7 +237,7 @@ class GradientAccumulationCallback(Callback):
         if item_count_fn is not None:
             if not callable(item_count_fn):
                 raise TypeError(
-                    f"Expected argument `item_count_fn` to be callable (batch -> int),"
+                    f"Expected argument `item_count_fn` to be callable (batch -> number),"
                     f" but got {item_count_fn!r}."
                 )
             if self.settings.scaling != "weighted":
@@ -153,16 +250,26 @@ class GradientAccumulationCallback(Callback):
             raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
         self.log_stats = log_stats
 
+        self._run_plan: AccumulationPlan | None = None  # the plan of the current fit
         self._accumulator: GradAccumulator | None = None
         self._loaded_state: dict[str, Any] | None = None
         self._loaded_window: dict[str, Any] | None = None
-        self._applied_k: int | None = None  # the value this callback last wrote to the Trainer
+        self._applied_k: int | None = None  # the value this callback last wrote to `_applied_to`
+        self._applied_to: weakref.ref[pl.Trainer] | None = None
         self._scaler: torch.amp.GradScaler | None = None
-        self._pending_items: int | Tensor | None = None
+        self._signature: tuple[tuple[int, int], ...] = ()
+        # per micro-batch
+        self._pending_items: Any = None
+        self._pending_error: str | None = None
+        self._pending_label = ""
+        self._pending_count: ItemCount | None = None
         self._pending_loss: Tensor | None = None
+        self._backward_in_batch = False  # a backward ran in this batch (False: training_step returned None)
+        self._finalized_in_batch = False  # the window was finalized in this batch (LBFGS re-evaluates)
         self._stepped = False
         self._stashed_clip_val: float | int | None = None
         self._skips_warned = 0
+        self._skipped_seen = 0
         self._warned_no_items = False
 
     # ------------------------------------------------------------------------------------ reporting
@@ -172,12 +279,26 @@ class GradientAccumulationCallback(Callback):
         """A frozen snapshot of the statistics (see :class:`~lightning_gradacc.AccumulationStats`)."""
         if self._accumulator is not None:
             return self._accumulator.stats
-        return AccumulationStats(accumulation_steps=self._applied_k or self.plan.for_epoch(0) or 1)
+        plan = self._run_plan or self.plan
+        return AccumulationStats(accumulation_steps=self._applied_k or plan.for_epoch(0) or 1)
 
     @property
     def accumulator(self) -> GradAccumulator | None:
         """The core accumulator of the current run (``None`` before training starts)."""
         return self._accumulator
+
+    def estimated_stepping_batches(self, trainer: pl.Trainer) -> int | float:
+        """The exact number of optimizer steps of this fit, following the epoch schedule if there is one.
+
+        See the module-level :func:`estimated_stepping_batches`, which finds the callback for you.
+        """
+        lightning_estimate = trainer.estimated_stepping_batches  # loads the train dataloader if needed
+        plan = self._run_plan or self.plan
+        batches = trainer.num_training_batches
+        if plan.schedule is None or trainer.max_epochs in (None, -1) or batches == float("inf"):
+            return lightning_estimate
+        assert trainer.max_epochs is not None
+        return plan.stepping_batches(int(batches), trainer.max_epochs, trainer.max_steps)
 
     # ------------------------------------------------------------------------------------- set-up
 
@@ -187,16 +308,34 @@ class GradientAccumulationCallback(Callback):
             return
         self._check_compatibility(trainer, pl_module)
         trainer_k = trainer.accumulate_grad_batches
-        if not self.plan.configured:
-            self.plan.fixed = trainer_k  # adopt the Trainer's value
-        elif trainer_k not in (1, self._applied_k, self.plan.fixed):
+        applied_here = (
+            self._applied_k if self._applied_to is not None and self._applied_to() is trainer else None
+        )
+        if self.plan.configured and trainer_k not in (1, applied_here, self.plan.fixed):
             raise ValueError(
                 f"You have set `Trainer(accumulate_grad_batches={trainer_k})` and"
                 f" `GradientAccumulationCallback({self._describe_plan()})`. The callback owns the"
                 " accumulation factor: remove `accumulate_grad_batches` from the Trainer or set the same"
                 " value."
             )
-        self._apply_k(trainer, self.plan.for_epoch(trainer.current_epoch))
+        self._run_plan = self.plan.for_run(trainer_k)
+        if self.plan.target_batch_size is not None:
+            self._resolve_target_early(trainer)
+        self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
+        # First in every hook: other callbacks and the module then see the final gradient whatever the order.
+        if trainer.callbacks and trainer.callbacks[0] is not self:  # type: ignore[attr-defined]
+            trainer.callbacks = [self, *(c for c in trainer.callbacks if c is not self)]  # type: ignore[attr-defined]
+        largest = self._run_plan.largest_k()
+        if (largest is None or largest > 1) and (
+            is_overridden("optimizer_step", pl_module) or is_overridden("optimizer_zero_grad", pl_module)
+        ):
+            rank_zero_warn(
+                "You override `LightningModule.optimizer_step` or `optimizer_zero_grad` and accumulate"
+                " gradients: these hooks are called once per optimizer step, not on every batch. The"
+                " callback normalizes the gradient in `on_before_optimizer_step`, which"
+                " `optimizer.step(closure)` runs; an override that steps without the closure, or zeroes"
+                " gradients elsewhere, breaks the window."
+            )
         if trainer.gradient_clip_val and (
             self.settings.max_grad_norm is not None or self.settings.clip_value is not None
         ):
@@ -258,14 +397,57 @@ class GradientAccumulationCallback(Callback):
                     "Two `GradientAccumulationCallback` instances were passed to the Trainer. Keep one."
                 )
 
+    def _resolve_target_early(self, trainer: pl.Trainer) -> None:
+        """Resolve K from the target batch size now, so that `configure_optimizers` sees it."""
+        try:
+            trainer.fit_loop.setup_data()  # what `trainer.estimated_stepping_batches` does; loaded once
+        except Exception as error:  # e.g. data built in LightningModule.setup, which runs after this hook
+            rank_zero_warn(
+                f"`target_batch_size={self.plan.target_batch_size}` could not read the train dataloader in"
+                f" `setup` ({type(error).__name__}: {error}); K is resolved when training starts instead, so"
+                " `trainer.estimated_stepping_batches` in `configure_optimizers` assumes K=1. Build the data"
+                " in `__init__`, `prepare_data` or a LightningDataModule, or set `accumulation_steps`."
+            )
+            return
+        self._resolve_target(trainer)
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.plan.target_batch_size is not None and self.plan.target_k is None:
+        assert self._run_plan is not None
+        if self._run_plan.target_batch_size is not None and self._run_plan.target_k is None:
             self._resolve_target(trainer)
-        self._apply_k(trainer, self.plan.for_epoch(trainer.current_epoch))
+        self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
+        self._check_optimizers(trainer)
         self._build_accumulator(trainer, pl_module)
 
+    def _check_optimizers(self, trainer: pl.Trainer) -> None:
+        assert self._run_plan is not None
+        if (self._run_plan.largest_k() or 1) > 1 and any(
+            isinstance(optimizer, torch.optim.LBFGS) for optimizer in trainer.optimizers
+        ):
+            raise RuntimeError(
+                "`torch.optim.LBFGS` evaluates its closure several times per step, and each evaluation"
+                " recomputes only the last micro-batch, so gradients cannot be accumulated over micro-batches"
+                f" ({self._describe_plan()}). Use K=1 with LBFGS."
+            )
+        if trainer.global_step:  # a resumed scheduler carries the total it was built with
+            return
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if config.interval != "step" or not isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
+                continue
+            needed = self.estimated_stepping_batches(trainer)
+            if needed != float("inf") and needed // config.frequency > scheduler.total_steps:
+                raise RuntimeError(
+                    f"`OneCycleLR(total_steps={scheduler.total_steps})` would fail at step"
+                    f" {scheduler.total_steps + 1}: this fit takes {int(needed)} optimizer steps with"
+                    f" {self._describe_plan()}, and `trainer.estimated_stepping_batches` does not follow an"
+                    " epoch schedule. Build it with `total_steps=estimated_stepping_batches(self.trainer)`"
+                    " (`from lightning_gradacc import estimated_stepping_batches`)."
+                )
+
     def _resolve_target(self, trainer: pl.Trainer) -> None:
+        assert self._run_plan is not None
         loader = trainer.train_dataloader
         batch_size = getattr(loader, "batch_size", None) or getattr(
             getattr(loader, "batch_sampler", None), "batch_size", None
@@ -276,7 +458,7 @@ class GradientAccumulationCallback(Callback):
                 f" dataloader ({type(loader).__name__}) has no fixed `batch_size`. Use a single DataLoader"
                 " with `batch_size=...` or set `accumulation_steps` instead."
             )
-        k, effective = self.plan.resolve_target(batch_size, trainer.world_size)
+        k, effective = self._run_plan.resolve_target(batch_size, trainer.world_size)
         if effective != self.plan.target_batch_size:
             rank_zero_warn(
                 f"`target_batch_size={self.plan.target_batch_size}` is not a multiple of micro-batch size"
@@ -287,20 +469,15 @@ class GradientAccumulationCallback(Callback):
     def _build_accumulator(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         k = trainer.accumulate_grad_batches
         world_size = trainer.world_size
-        strategy = trainer.strategy
-
-        def all_reduce_sum(tensor: Tensor) -> Tensor:
-            reduced: Tensor = strategy.reduce(tensor, reduce_op="sum")
-            return reduced
-
         previous = self._accumulator
         accumulator = GradAccumulator(
-            pl_module.named_parameters(),
+            _optimized_parameters(trainer, pl_module),
             k,
             world_size=world_size,
-            all_reduce=all_reduce_sum if world_size > 1 else None,
+            all_reduce=_all_reduce_sum if world_size > 1 else None,
             **vars(self.settings),
         )
+        self._signature = _param_groups_signature(trainer)
         # Lifetime counters survive a second `fit()` and a resume from a checkpoint.
         state = (
             self._loaded_state
@@ -313,18 +490,33 @@ class GradientAccumulationCallback(Callback):
         self._restore_window(trainer, accumulator)  # validates everything before it changes anything
         self._loaded_state = None
         self._accumulator = accumulator
+        self._skipped_seen = accumulator.stats.skipped_steps
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._apply_k(trainer, self.plan.for_epoch(trainer.current_epoch))
+        if self._accumulator is not None and self._accumulator.current_step:
+            self._discard_window(trainer, "the previous epoch ended inside it")
+        assert self._run_plan is not None
+        self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
 
     def _apply_k(self, trainer: pl.Trainer, k: int | None) -> None:
         if k is None:  # target batch size not resolved yet: resolved in `on_train_start`
             return
         trainer.accumulate_grad_batches = k
         self._applied_k = k
+        self._applied_to = weakref.ref(trainer)
         if self._accumulator is not None:
             self._accumulator.accumulation_steps = k  # raises if a window were open
+
+    def _discard_window(self, trainer: pl.Trainer, why: str) -> None:
+        """Drop an open window that can no longer end in a step: windows never merge."""
+        assert self._accumulator is not None
+        rank_zero_warn(
+            f"A window of {self._accumulator.current_step} micro-batch(es) never reached its optimizer step"
+            f" ({why}, e.g. `on_train_batch_start` returned -1); its gradients are discarded so that it does"
+            f" not leak into the next window (global step {trainer.global_step})."
+        )
+        self._accumulator.reset(set_grads_to_none=True)
 
     # --------------------------------------------------------------------------------- per micro-batch
 
@@ -332,47 +524,78 @@ class GradientAccumulationCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._stepped = False
+        accumulator = self._accumulator
+        assert accumulator is not None
+        self._stepped = self._backward_in_batch = self._finalized_in_batch = False
+        signature = _param_groups_signature(trainer)
+        if signature != self._signature:  # e.g. BaseFinetuning added a parameter group
+            accumulator.track(_optimized_parameters(trainer, pl_module))
+            self._signature = signature
+        if (
+            accumulator.current_step
+            and batch_idx % trainer.accumulate_grad_batches == 0
+            and not trainer.fit_loop._skip_backward
+        ):
+            self._discard_window(trainer, f"Lightning starts a new window at batch {batch_idx}")
+        self._pending_error = None
+        self._pending_items = None
         if self.item_count_fn is not None:
-            self._pending_items = check_item_count(
-                self.item_count_fn(batch), f"the result of `item_count_fn` at batch {batch_idx}"
-            )
+            self._pending_label = f"the item count of batch {batch_idx} (from `item_count_fn`)"
+            self._pending_items = self.item_count_fn(batch)
+            return
+        self._pending_label = f"the batch size of batch {batch_idx}"
+        if self.settings.scaling == "weighted":
+            try:
+                self._pending_items = unambiguous_batch_size(batch)
+            except ValueError as error:  # raised at the boundary, on every rank together
+                self._pending_error = (
+                    f"`scaling='weighted'` needs the item count of every batch, but the batch size of batch"
+                    f" {batch_idx} is ambiguous: {error}. Pass `item_count_fn=` (batch -> number of items)"
+                )
             return
         try:
             self._pending_items = _inferred_batch_size(batch)
         except Exception as error:
-            if self.settings.scaling == "weighted":
-                raise RuntimeError(
-                    f"`scaling='weighted'` needs the item count of every batch, but Lightning could not infer"
-                    f" the batch size of batch {batch_idx}. Pass `item_count_fn=`."
-                ) from error
             if not self._warned_no_items:
                 self._warned_no_items = True
                 rank_zero_warn(
                     f"Could not infer the batch size of batch {batch_idx} ({error}); the `items_per_step`"
                     " statistic will not count such batches. Scaling is unaffected."
                 )
-            self._pending_items = None
 
     def _amp_scale(self) -> Tensor | None:
-        # The GradScaler's scale as a device tensor: `get_scale()` would sync with the host.
-        scale = getattr(self._scaler, "_scale", None) if self._scaler is not None else None
-        return scale if isinstance(scale, Tensor) else None
+        """The GradScaler's scale as a device tensor (``get_scale()`` would sync with the host)."""
+        if self._scaler is None or not self._scaler.is_enabled():
+            return None
+        scale = getattr(self._scaler, "_scale", None)
+        if not isinstance(scale, Tensor):
+            raise RuntimeError(
+                f"The GradScaler ({type(self._scaler).__name__}) keeps no tensor `_scale`, which the callback"
+                " reads (without a host sync) to undo the loss scale in its statistics and clipping. Use"
+                " `torch.amp.GradScaler`."
+            )
+        return scale
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        assert self._accumulator is not None
+        accumulator = self._accumulator
+        assert accumulator is not None
+        count = accumulator.weigh(
+            self._pending_items, loss_dtype=loss.dtype, label=self._pending_label, error=self._pending_error
+        )
+        self._pending_count = count
+        weighted = self.settings.scaling == "weighted"
         # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed.
         # It is kept as is (finalize's loss_scale undoes K and the scale once per window); only a loss about
         # to be weighted in place needs a copy.
-        self._pending_loss = loss.detach().clone() if self.settings.scaling == "weighted" else loss.detach()
-        if self.settings.scaling == "weighted" and self._pending_items is not None:
-            weight = self._pending_items
+        self._pending_loss = loss.detach().clone() if weighted else loss.detach()
+        weight = count.weight
+        if weighted and (isinstance(weight, Tensor) or weight != 1.0):
             loss.mul_(weight.to(loss.device, non_blocking=True) if isinstance(weight, Tensor) else weight)
         if (trainer.world_size > 1 or self._scaler is not None) and not _should_accumulate(trainer):
             # Buffers go back into .grad before the last backward of the window, so that DDP's one
             # all-reduce carries the whole window and the GradScaler unscales and checks all of it.
-            self._accumulator.flush_to_grad()
+            accumulator.flush_to_grad()
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -384,8 +607,14 @@ class GradientAccumulationCallback(Callback):
             scale = self._amp_scale()
             grad_scale = 1.0 / trainer.accumulate_grad_batches
             grad_scale = grad_scale * scale if scale is not None else grad_scale
-        self._accumulator.record(self._pending_items, self._pending_loss, grad_scale=grad_scale)
-        self._pending_loss = None
+        self._accumulator.record(
+            self._pending_count,
+            self._pending_loss,
+            grad_scale=grad_scale,
+            reevaluation=self._finalized_in_batch,
+        )
+        self._backward_in_batch = True
+        self._pending_loss = self._pending_count = None
 
     # ---------------------------------------------------------------------------------------- boundary
 
@@ -393,25 +622,50 @@ class GradientAccumulationCallback(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        assert self._accumulator is not None
-        self._stepped = True
+        accumulator = self._accumulator
+        assert accumulator is not None
+        # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned
+        # None: the window's earlier micro-batches would be dropped. The callback steps it itself.
+        steps_itself = (
+            self._scaler is not None
+            and not self._backward_in_batch
+            and accumulator.current_step > 0
+            and not self._finalized_in_batch
+        )
+        if steps_itself:
+            assert self._scaler is not None
+            self._scaler.unscale_(optimizer)
         k = trainer.accumulate_grad_batches
         scale = self._amp_scale()
-        stepped = self._accumulator.finalize(
+        stepped = accumulator.finalize(
             grad_scale=1.0 / k,
             overflow_handled_externally=self._scaler is not None,
             loss_scale=k / scale if scale is not None else k,
+            reevaluation=self._finalized_in_batch,
         )
-        if stepped:
+        self._finalized_in_batch = self._stepped = True
+        if steps_itself:
+            assert self._scaler is not None
+            if stepped and trainer.gradient_clip_val:  # Lightning's clipping, before the step it would miss
+                trainer.precision_plugin._clip_gradients(
+                    pl_module, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+                )
+            self._scaler.step(optimizer)
+            self._scaler.update()
+        if stepped and not steps_itself:
             return
-        self._warn_skip(trainer)
-        # Lightning clips after this hook; clipping by value crashes on a list with no gradient at all.
+        if not stepped:
+            skipped = accumulator.stats.skipped_steps  # a sync, on this rare path only
+            if skipped > self._skipped_seen:
+                self._warn_skip(trainer, skipped)
+            self._skipped_seen = skipped
+        # Lightning clips after this hook: clipping by value crashes on a list with no gradient at all, and
+        # a window the callback stepped itself was clipped before its step.
         if trainer.gradient_clip_val:
             self._stashed_clip_val = trainer.gradient_clip_val
             trainer.gradient_clip_val = None
 
-    def _warn_skip(self, trainer: pl.Trainer) -> None:
-        skipped = self._accumulator.stats.skipped_steps if self._accumulator is not None else 0
+    def _warn_skip(self, trainer: pl.Trainer, skipped: int) -> None:
         if skipped >= 2 * self._skips_warned or skipped == 1:  # 1, 2, 4, 8, ...: rate-limited
             self._skips_warned = max(skipped, 1)
             rank_zero_warn(

@@ -5,6 +5,7 @@ No Lightning import: the callback asks this module *what K is* and decides *when
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -43,6 +44,45 @@ class AccumulationPlan:
             None if target_batch_size is None else check_positive_int("target_batch_size", target_batch_size)
         )
         self.target_k: int | None = None
+
+    def for_run(self, trainer_k: int) -> AccumulationPlan:
+        """The plan of one fit: a copy that adopts ``trainer_k`` when nothing was configured.
+
+        The configured plan itself never changes, so a callback reused with another Trainer starts from
+        what the user gave (a target batch size is resolved again, an adopted K adopted again).
+
+        Example:
+            >>> plan = AccumulationPlan()
+            >>> plan.for_run(4).fixed, plan.fixed
+            (4, None)
+        """
+        run = copy.copy(self)
+        run.schedule = dict(self.schedule) if self.schedule is not None else None
+        run.target_k = None
+        if not self.configured:
+            run.fixed = check_positive_int("accumulate_grad_batches", trainer_k)
+        return run
+
+    def largest_k(self) -> int | None:
+        """The largest K this plan can use (``None`` while a target batch size is unresolved)."""
+        if self.schedule is not None:
+            return max(1, *self.schedule.values())
+        return self.for_epoch(0)
+
+    def stepping_batches(self, batches_per_epoch: int, max_epochs: int, max_steps: int = -1) -> int:
+        """Optimizer steps of a fit: one per window, windows cut per epoch with that epoch's K.
+
+        Example:
+            >>> AccumulationPlan({0: 4, 2: 1}).stepping_batches(10, 3)  # 3 + 3 + 10
+            16
+        """
+        steps = 0
+        for epoch in range(max(max_epochs, 1)):
+            k = self.for_epoch(epoch)
+            if k is None:
+                raise RuntimeError("The target batch size is not resolved yet.")
+            steps += math.ceil(batches_per_epoch / k)
+        return min(steps, max_steps) if max_steps != -1 else steps
 
     @property
     def configured(self) -> bool:

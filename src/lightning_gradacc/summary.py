@@ -12,7 +12,9 @@ def _bytes(value: int) -> str:
 
 
 def _effective_batch(stats: AccumulationStats, full_step_items: int | None) -> str:
-    last = f"{stats.items_last_step:,} in the last step ({stats.micro_batches_last_step} of"
+    items = stats.items_last_step
+    shown = f"{int(items):,}" if float(items).is_integer() else f"{items:,.1f}"
+    last = f"{shown} in the last step ({stats.micro_batches_last_step} of"
     last += f" {stats.accumulation_steps} micro-batches)"
     return last if full_step_items is None else f"{full_step_items:,} per full step; {last}"
 
@@ -44,6 +46,7 @@ def format_summary(
         ("effective batch (items)", _effective_batch(stats, full_step_items)),
         ("micro-batches", f"{stats.total_micro_batches:,}"),
         ("skipped steps", f"{stats.skipped_steps:,}"),
+        ("empty windows (no step)", f"{stats.empty_windows:,}"),
         ("non-finite windows", f"{stats.overflow_count:,}"),
         ("clipped steps", f"{stats.clip_count:,}"),
         ("last grad norm", f"{stats.last_grad_norm:.4g} (max seen {stats.max_grad_norm_seen:.4g})"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import astuple
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import torch
@@ -26,24 +26,25 @@ from .buffers import GradBuffers
 from .errors import GradientOverflowError
 from .kernels import GroupKey, clamp_, non_finite_names, scale_, total_norm
 from .memory import WindowPeakMemory
-from .tally import WindowTally, WindowTotals
+from .tally import InvalidCount, WindowTally, WindowTotals
 from .validation import AccumulationSettings, check_item_count, check_positive_int
 from .window_state import WINDOW_STATE_VERSION, check_window_state
 
 _STATE_VERSION = 1
-# Positions in the device ledger. Counters are summed, the rest overwritten at every step.
+# The device ledger of value-dependent statistics. Counters are summed over steps, the rest overwritten.
 _LEDGER_FIELDS = (
     "overflow_count",
     "skipped_steps",
     "clip_count",
+    "empty_windows",
     "last_grad_norm",
     "max_grad_norm_seen",
     "items_last_step",
     "window_loss",
-    "bad_item_counts",
 )
-_OVERFLOW, _SKIPPED, _CLIPPED, _NORM, _MAX_NORM, _ITEMS, _LOSS, _BAD_ITEMS = range(len(_LEDGER_FIELDS))
-_INT_FIELDS = {"overflow_count", "skipped_steps", "clip_count", "items_last_step", "bad_item_counts"}
+_COUNTERS = ("overflow_count", "skipped_steps", "clip_count", "empty_windows")
+_OPTIONAL_FIELDS = {"empty_windows": 0.0}  # absent from states saved by 0.1.0
+
 
 AllReduce = Callable[[Tensor], Tensor]
 
@@ -62,12 +63,27 @@ def _default_world() -> tuple[int, AllReduce | None]:
     return dist.get_world_size(), all_reduce_sum
 
 
+@dataclass(frozen=True)
+class ItemCount:
+    """One micro-batch's item count, checked, and the factor its loss is multiplied by before ``backward``.
+
+    Made by :meth:`GradAccumulator.weigh`; an invalid count has weight 0 and is reported at the boundary.
+    """
+
+    items: float | Tensor | None
+    weight: float | Tensor
+    problem: str | None = None
+    check: InvalidCount | None = None
+
+
 class GradAccumulator:
     """Exact gradient accumulation over micro-batches, in place in ``.grad``.
 
     Args:
-        parameters: The model's parameters, or ``named_parameters()`` (names appear in error messages).
-            Only those with ``requires_grad`` are tracked.
+        parameters: The parameters the optimizer steps, or ``named_parameters()`` (names appear in error
+            messages). Every one is tracked, frozen ones too: whichever holds a gradient at the boundary is
+            normalized, counted in the norm, clipped and checked (so a layer unfrozen later is handled).
+            :meth:`track` follows a changed set (e.g. a parameter group added to the optimizer).
         accumulation_steps: Micro-batches per window (K). :attr:`window_full` turns true after K records;
             a shorter window (end of an epoch) may be finalized at any time.
         scaling: ``"mean"`` (alias ``"average"``): mean over the micro-batches run; ``"sum"``;
@@ -83,7 +99,8 @@ class GradAccumulator:
         world_size: Data-parallel ranks whose gradients are averaged at the last backward (as DDP does).
             ``None``: taken from ``torch.distributed`` when initialized, else 1.
         all_reduce: Sums a small tensor over ranks in place and returns it; used once per step when
-            ``world_size > 1``. ``None``: ``torch.distributed.all_reduce``.
+            ``world_size > 1``. ``None``: ``torch.distributed.all_reduce``, which must then be initialized
+            with ``world_size`` ranks.
         foreach: ``None`` or ``True`` use fused ``torch._foreach_*`` kernels; ``False`` a per-tensor loop.
         accumulation_dtype: Accumulate in buffers of this dtype (e.g. ``"float32"`` for bf16 parameters)
             instead of ``.grad``; costs exactly the buffers' memory and one fused pass per micro-batch.
@@ -108,7 +125,7 @@ class GradAccumulator:
         ...         optimizer.zero_grad()
         >>> stats = accumulator.stats
         >>> stats.optimizer_steps, stats.micro_batches_last_step, stats.items_last_step
-        (3, 2, 16)
+        (3, 2, 16.0)
     """
 
     def __init__(
@@ -139,14 +156,16 @@ class GradAccumulator:
         )
         if world_size is not None:
             check_positive_int("world_size", world_size)
+            if world_size > 1 and all_reduce is None and _default_world()[0] != world_size:
+                raise ValueError(
+                    f"Argument `world_size={world_size}` needs `all_reduce=` (a function that sums a tensor"
+                    " over ranks in place) or an initialized `torch.distributed` process group of"
+                    f" {world_size} ranks; without either the window's counts could not be summed over ranks."
+                )
         self._world_size = world_size
         self._all_reduce = all_reduce
         self.foreach = foreach
-        self._named = self._trainable(parameters)
-        if not self._named:
-            raise ValueError(
-                "Expected argument `parameters` to hold at least one parameter with requires_grad."
-            )
+        self._named = self._named_list(parameters)
         self.device = self._named[0][1].device
         self._buffers = (
             GradBuffers(self._named, self.settings.accumulation_dtype, foreach)
@@ -171,6 +190,10 @@ class GradAccumulator:
         self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self._tally = WindowTally(self.device, self._ledger_dtype)
         self._memory = WindowPeakMemory(self.device)
+        # The reference count of scaling="weighted": losses are weighted by items / reference, so that their
+        # gradients keep the magnitude of a mean's (raw counts overflow fp16). Fixed at the first micro-batch,
+        # the same on every rank.
+        self._reference_count: float | Tensor | None = None
         # Lifetime counters kept on the host (they never depend on tensor values).
         self._optimizer_steps = 0
         self._total_micro_batches = 0
@@ -190,7 +213,7 @@ class GradAccumulator:
         return layout
 
     @staticmethod
-    def _trainable(parameters: Iterable[Tensor] | Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+    def _named_list(parameters: Iterable[Tensor] | Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
         named: list[tuple[str, Tensor]] = []
         for index, entry in enumerate(parameters):
             name, param = entry if isinstance(entry, tuple) else (f"param_{index}", entry)
@@ -198,9 +221,22 @@ class GradAccumulator:
                 raise TypeError(
                     f"Expected argument `parameters` to hold tensors, but got {type(param).__name__}."
                 )
-            if param.requires_grad:
-                named.append((name, param))
+            named.append((name, param))
+        if not named:
+            raise ValueError("Expected argument `parameters` to hold at least one parameter.")
         return named
+
+    def track(self, parameters: Iterable[Tensor] | Iterable[tuple[str, Tensor]]) -> None:
+        """Follow a new set of parameters, e.g. after a parameter group was added to the optimizer.
+
+        Gradients (and buffers) of parameters still tracked are kept, so this may be called inside a window.
+        """
+        named = self._named_list(parameters)
+        if self._buffers is not None:
+            self._buffers.retrack(named)
+        self._named = named
+        self._grad_groups = self._layout(None)
+        self._buffer_groups = self._layout(self.settings.accumulation_dtype)
 
     # ----------------------------------------------------------------------------------------- window
 
@@ -241,61 +277,137 @@ class GradAccumulator:
 
     @property
     def parameters(self) -> list[Tensor]:
-        """The trainable parameters tracked."""
+        """The parameters tracked."""
         return [param for _, param in self._named]
 
-    def loss_weight(self, items: int | Tensor | None) -> int | Tensor:
-        """The factor a micro-batch's loss must be multiplied by before ``backward``.
+    def weigh(
+        self,
+        items: Any,
+        *,
+        loss_dtype: torch.dtype | None = None,
+        label: str | None = None,
+        error: str | None = None,
+    ) -> ItemCount:
+        """Check one micro-batch's item count and compute the factor its loss must be multiplied by.
 
-        ``items`` for ``scaling="weighted"`` (the loss is a mean over its items, so this makes it their
-        sum), else 1.
+        Never raises for a bad count and never syncs: an invalid count (negative, not finite, not a number,
+        missing under ``"weighted"``) gets weight 0 and is raised by :meth:`finalize`, after the window's
+        counts were summed over ranks, so that every rank raises together.
+
+        Args:
+            items: Samples or tokens in the micro-batch: a number >= 0 or a real scalar tensor; ``None``
+                when unknown (allowed except for ``"weighted"``).
+            loss_dtype: The loss's dtype: a weight for a fp16/bf16 loss is rounded to it first, so that the
+                boundary divides by exactly the weights that were applied.
+            label: How an error names this count, e.g. "the item count of batch 7".
+            error: A problem the caller found already (e.g. the count could not be inferred).
+
+        Example:
+            >>> accumulator = GradAccumulator([torch.zeros(1, requires_grad=True)], scaling="weighted")
+            >>> accumulator.weigh(8).weight, accumulator.weigh(4).weight  # relative to the first count
+            (1.0, 0.5)
+        """
+        label = label or f"the item count of micro-batch {self._micro_batches} of the window"
+        weighted = self.settings.scaling == "weighted"
+        value: float | Tensor | None = None
+        problem = error
+        check: InvalidCount | None = None
+        if problem is None and items is None and weighted:
+            problem = f"{label} is missing: `scaling='weighted'` needs the item count of every micro-batch"
+        elif problem is None and items is not None:
+            try:
+                value = check_item_count(items, label)
+            except (TypeError, ValueError) as exc:
+                problem = str(exc)
+        if isinstance(value, Tensor):
+            valid = (value >= 0) & (value < math.inf)  # nan fails both
+            check = InvalidCount(~valid, value, label)
+            if weighted:
+                value = torch.where(valid, self._scalar(value), 0.0)
+        if problem is not None:
+            value = 0.0
+        if not weighted:
+            return ItemCount(value, 1.0, problem, check)
+        assert value is not None
+        weight = value / self._reference(value)
+        if loss_dtype is not None and loss_dtype.is_floating_point and loss_dtype.itemsize < 4:
+            weight = (
+                weight.to(loss_dtype)
+                if isinstance(weight, Tensor)
+                else float(torch.tensor(weight, dtype=loss_dtype))  # a CPU op: no device sync
+            )
+        return ItemCount(value, weight, problem, check)
+
+    def _reference(self, first: float | Tensor) -> float | Tensor:
+        """The reference count of ``"weighted"``: the first count (mean over ranks), at least 1."""
+        if self._reference_count is None:
+            world_size, all_reduce = self._world()
+            if world_size > 1 and all_reduce is not None:  # one small collective, once
+                total = all_reduce(self._scalar(first).clone().reshape(1)).reshape(())
+                self._reference_count = (total / world_size).clamp(min=1.0)
+            elif isinstance(first, Tensor):
+                self._reference_count = self._scalar(first).clamp(min=1.0)
+            else:
+                self._reference_count = max(float(first), 1.0)
+        return self._reference_count
+
+    def loss_weight(self, items: Any) -> float | Tensor:
+        """The factor a micro-batch's loss must be multiplied by before ``backward`` (1 unless weighted).
+
+        For ``scaling="weighted"`` it is ``items / reference``, the reference being the first micro-batch's
+        count: the loss is a mean over its items, so the weighted sum over micro-batches, divided by the
+        sum of the weights at the boundary, is the mean over every item of the window. See :meth:`weigh`.
 
         Example:
             >>> GradAccumulator([torch.zeros(1, requires_grad=True)], scaling="weighted").loss_weight(7)
-            7
+            1.0
         """
-        if self.settings.scaling != "weighted":
-            return 1
-        if items is None:
-            raise ValueError("`scaling='weighted'` needs the item count of every micro-batch (`items=`).")
-        return check_item_count(items, "argument `items`")
+        return self.weigh(items).weight
 
-    def backward(self, loss: Tensor, items: int | Tensor | None = None) -> None:
+    def backward(self, loss: Tensor, items: Any = None) -> None:
         """Back-propagate one micro-batch's loss (a mean over its items) with its weight; record it."""
-        weight = self.loss_weight(items)
-        weighted = loss * weight if not isinstance(weight, int) or weight != 1 else loss
+        count = self.weigh(items, loss_dtype=loss.dtype)
+        weight = count.weight
+        weighted = loss * weight if isinstance(weight, Tensor) or weight != 1.0 else loss
         weighted.backward()  # type: ignore[no-untyped-call]
-        self.record(items, loss.detach())
+        self.record(count, loss.detach())
 
     def record(
         self,
-        items: int | Tensor | None = None,
+        items: ItemCount | Any = None,
         loss: Tensor | float | None = None,
         *,
         grad_scale: float | Tensor = 1.0,
+        reevaluation: bool = False,
     ) -> None:
         """Count a micro-batch whose gradient has been added to ``.grad`` (and move it to the buffers).
 
-        The backward pass must have used ``loss * loss_weight(items)``. Never syncs with the device.
+        The backward pass must have used ``loss * loss_weight(items)``. Never syncs with the device, never
+        raises for a bad item count (see :meth:`weigh`).
 
         Args:
-            items: Samples or tokens in the micro-batch (int or integer scalar tensor). Required for
-                ``"weighted"``; elsewhere only used for statistics.
+            items: The micro-batch's :class:`ItemCount` from :meth:`weigh`, or its raw item count (a number
+                or a scalar tensor). Required for ``"weighted"``; elsewhere only used for statistics.
             loss: The micro-batch's unweighted loss, for ``window_loss`` in the statistics (in any units
                 that :meth:`finalize`'s ``loss_scale`` turns into the loss; it is only kept, not copied).
             grad_scale: The factor the loss was multiplied by besides :meth:`loss_weight` (Lightning's
                 1/K, times the AMP scale under a GradScaler); used by ``clip_mode="micro_batch"``.
+            reevaluation: The same micro-batch evaluated again for the same step (an optimizer such as
+                LBFGS calls its closure several times): not counted in ``total_micro_batches``.
         """
-        if items is not None:
-            items = check_item_count(items, "argument `items`")
-        elif self.settings.scaling == "weighted":
-            raise ValueError("`scaling='weighted'` needs the item count of every micro-batch (`items=`).")
-        keep = self._absorb(items, grad_scale) if self._buffers is not None and not self._flushed else None
-        self._tally.add(items, loss, keep)
+        count = items if isinstance(items, ItemCount) else self.weigh(items)
+        if count.problem is not None:
+            self._tally.problems.append(count.problem)
+        if count.check is not None:
+            self._tally.checks.append(count.check)
+        keep = self._absorb(count, grad_scale) if self._buffers is not None and not self._flushed else None
+        weight = count.weight if self.settings.scaling == "weighted" else None
+        self._tally.add(count.items, loss, keep, weight)
         self._micro_batches += 1
-        self._total_micro_batches += 1
+        if not reevaluation:
+            self._total_micro_batches += 1
 
-    def _absorb(self, items: int | Tensor | None, grad_scale: float | Tensor) -> Tensor | None:
+    def _absorb(self, count: ItemCount, grad_scale: float | Tensor) -> Tensor | None:
         """Move this micro-batch's ``.grad`` into the buffers; returns whether it was kept (or None)."""
         assert self._buffers is not None
         keep: Tensor | None = None
@@ -315,8 +427,9 @@ class GradAccumulator:
                 )
             if self.settings.clip_mode == "micro_batch":
                 assert self.settings.max_grad_norm is not None
-                weight = self.loss_weight(items)
-                own_norm = norm / (self._scalar(weight).to(norm.dtype) * grad_scale).abs()
+                # undo the loss's weight and scale; a weight of 0 leaves a zero gradient, nothing to clip
+                factor = (self._scalar(count.weight).to(norm.dtype) * grad_scale).abs().clamp(min=1e-30)
+                own_norm = norm / factor
                 coefficient = torch.clamp(self.settings.max_grad_norm / (own_norm + 1e-6), max=1.0)
                 clipped = ((coefficient < 1.0) & finite).to(self._ledger_dtype)
                 self._micro_clips = clipped if self._micro_clips is None else self._micro_clips + clipped
@@ -339,16 +452,25 @@ class GradAccumulator:
     # ---------------------------------------------------------------------------------------- boundary
 
     def _world(self) -> tuple[int, AllReduce | None]:
-        if self._world_size is not None:
-            return self._world_size, self._all_reduce
-        return _default_world()
+        if self._world_size is None:
+            return _default_world()
+        if self._world_size > 1 and self._all_reduce is None:
+            world_size, all_reduce = _default_world()
+            if all_reduce is None or world_size != self._world_size:
+                raise RuntimeError(
+                    f"`GradAccumulator(world_size={self._world_size})` has no `all_reduce` and no"
+                    f" `torch.distributed` process group of {self._world_size} ranks is running (found"
+                    f" {world_size}): the window cannot be summed over ranks."
+                )
+            return world_size, all_reduce
+        return self._world_size, self._all_reduce
 
     def _scalar(self, value: Tensor | float) -> Tensor:
         """A scalar on the ledger device, created by a fill kernel (no host-to-device copy)."""
         if isinstance(value, Tensor):
-            if value.dtype == self._ledger_dtype and value.device == self.device:
+            if value.dtype == self._ledger_dtype and value.device == self.device and value.dim() == 0:
                 return value
-            return value.to(device=self.device, dtype=self._ledger_dtype, non_blocking=True)
+            return value.to(device=self.device, dtype=self._ledger_dtype, non_blocking=True).reshape(())
         return torch.full((), float(value), dtype=self._ledger_dtype, device=self.device)
 
     def finalize(
@@ -357,6 +479,7 @@ class GradAccumulator:
         grad_scale: float = 1.0,
         overflow_handled_externally: bool = False,
         loss_scale: float | Tensor = 1.0,
+        reevaluation: bool = False,
     ) -> bool:
         """Turn the window's summed gradients into the final gradient, in place; close the window.
 
@@ -367,21 +490,25 @@ class GradAccumulator:
                 not finite: count the overflow and the skip, but neither drop gradients nor raise.
             loss_scale: Factor from the recorded losses to the real loss (Lightning records L / K times
                 the AMP scale: pass K / scale).
+            reevaluation: The window just finalized, evaluated again for the same step (LBFGS's closure):
+                the statistics of the step are updated but no counter advances.
 
         Returns:
-            Whether the optimizer should step. ``False`` only for a skipped non-finite window, whose
-            gradients have been set to ``None``.
+            Whether the optimizer should step. ``False`` for a skipped non-finite window and for an empty
+            one (no micro-batch recorded, or ``"weighted"`` with 0 items in total); their gradients have
+            been set to ``None``, so torch optimizers leave parameters and state unchanged.
 
         Raises:
             GradientOverflowError: ``overflow="raise"`` and the gradient is not finite.
+            ValueError: an item count of the window, on this rank or another, was invalid.
         """
         if self._micro_batches == 0:
-            raise RuntimeError("`finalize()` was called, but no micro-batch was recorded in this window.")
+            return self._close_empty(reevaluation)
         from_buffers = self._buffers is not None and self._buffers.holds_window and not self._flushed
         sources: list[Tensor | None]
         if from_buffers:
             assert self._buffers is not None
-            sources, layout = list(self._buffers.tensors), self._buffer_groups
+            sources, layout = self._buffers.window(), self._buffer_groups
         else:
             sources, layout = [param.grad for _, param in self._named], self._grad_groups
         if not from_buffers:  # buffers are dense by construction
@@ -394,14 +521,17 @@ class GradAccumulator:
         world_size, all_reduce = self._world()
 
         totals = self._window_totals(world_size, all_reduce)
-        items, loss_sum, loss_weight = totals.items, totals.loss_sum, totals.loss_weight
-        factor = self._normalization(items, grad_scale, world_size)
+        factor = self._normalization(totals.weights, grad_scale, world_size)
         raw_norm = total_norm(grads, self.settings.norm_type, device=self.device, foreach=self.foreach)
         norm = raw_norm.to(self._ledger_dtype) * factor
         finite = torch.isfinite(norm)
-        steppable = finite
+        live = finite
         if self._dropped is not None:  # every micro-batch dropped: nothing to step with
-            steppable = finite & (self._dropped < self._micro_batches)
+            live = finite & (self._dropped < self._micro_batches)
+        has_items: Tensor | bool = True
+        if self.settings.scaling == "weighted":
+            weights = totals.weights
+            has_items = weights > 0 if isinstance(weights, Tensor) else bool(weights > 0)
         multiplier: Tensor | float = factor
         clipped = torch.zeros((), dtype=torch.bool, device=self.device)
         if self.settings.max_grad_norm is not None:
@@ -420,23 +550,27 @@ class GradAccumulator:
         nonfinite = (~finite).to(self._ledger_dtype)
         skips = overflow_handled_externally or self.settings.overflow in ("skip", "skip_micro_batch")
         overflows = nonfinite if self._dropped is None else nonfinite + self._dropped
-        not_steppable = (~steppable).to(self._ledger_dtype)
+        skipped = (~live & has_items).to(self._ledger_dtype) if skips else torch.zeros_like(nonfinite)
+        empty = ~has_items if isinstance(has_items, Tensor) else float(not has_items)
         if self._micro_clips is not None:
             clipped = clipped | (self._micro_clips > 0)
+        loss_sum, loss_weight = totals.loss_sum, totals.loss_weight
         self._update_ledger(
-            nonfinite=overflows,
-            skipped=not_steppable if skips else torch.zeros_like(nonfinite),
-            clipped=clipped.to(self._ledger_dtype),
-            norm=norm,
-            items=items,
+            count=not reevaluation,
+            overflow_count=overflows,
+            skipped_steps=skipped,
+            clip_count=clipped,
+            empty_windows=empty,
+            last_grad_norm=norm,
+            items_last_step=totals.items,
             window_loss=loss_sum / loss_weight * loss_scale
             if isinstance(loss_weight, Tensor) or loss_weight
             else math.nan,
-            bad_items=totals.bad_items,
         )
         self._micro_batches_last_step = self._micro_batches
         step = self._optimizer_steps
-        self._optimizer_steps += 1
+        if not reevaluation:
+            self._optimizer_steps += 1
         self._peak_memory_bytes = self._memory.read()
         try:
             decides = not overflow_handled_externally and self.settings.overflow in (
@@ -444,9 +578,15 @@ class GradAccumulator:
                 "raise",
                 "skip_micro_batch",
             )
-            # The one host sync of this step, and only where a decision needs it.
-            if decides and not self._sync(steppable):
-                if self.settings.overflow == "raise":
+            flags = (live if decides else True, has_items, totals.bad_items)
+            if any(isinstance(flag, Tensor) for flag in flags):  # the one host sync of this step
+                keeps_step, has_any, bad = self._sync(*flags)
+            else:
+                keeps_step, has_any, bad = (float(flag) for flag in flags)
+            if bad:
+                raise ValueError(self._invalid_count_message(int(bad)))
+            if not (keeps_step and has_any):
+                if has_any and self.settings.overflow == "raise" and not overflow_handled_externally:
                     named = [(n, t) for (n, _), t in zip(self._named, sources, strict=True) if t is not None]
                     raise GradientOverflowError(step, non_finite_names(named))
                 for _, param in self._named:
@@ -461,6 +601,35 @@ class GradAccumulator:
             return True
         finally:
             self._open_window()
+
+    def _close_empty(self, reevaluation: bool) -> bool:
+        """Close a window in which no micro-batch was recorded: no step (counted in ``empty_windows``)."""
+        for _, param in self._named:  # e.g. stale gradients of an earlier window: nothing to step with
+            param.grad = None
+        self._update_ledger(
+            count=not reevaluation,
+            overflow_count=0.0,
+            skipped_steps=0.0,
+            clip_count=0.0,
+            empty_windows=1.0,
+            last_grad_norm=0.0,
+            items_last_step=0.0,
+            window_loss=math.nan,
+        )
+        self._micro_batches_last_step = 0
+        if not reevaluation:
+            self._optimizer_steps += 1
+        self._peak_memory_bytes = self._memory.read()
+        self._open_window()
+        return False
+
+    def _invalid_count_message(self, count: int) -> str:
+        found = self._tally.invalid_counts()
+        where = "; ".join(found) if found else "on another rank (see its error)"
+        return (
+            f"{count} invalid item count(s) in this window: {where}. An item count must be a finite number"
+            " >= 0 (a micro-batch with 0 items weighs nothing); check `item_count_fn` or the `items` given."
+        )
 
     def step(self, optimizer: torch.optim.Optimizer, *, force: bool = False) -> bool:
         """Finalize and step ``optimizer`` when the window is full (or ``force``), then zero gradients.
@@ -484,7 +653,7 @@ class GradAccumulator:
         packed = torch.stack([self._scalar(value) for value in astuple(totals)])
         return WindowTotals(*all_reduce(packed).unbind())
 
-    def _normalization(self, items: Tensor | float, grad_scale: float, world_size: int) -> Tensor | float:
+    def _normalization(self, weights: Tensor | float, grad_scale: float, world_size: int) -> Tensor | float:
         """The factor that turns ``.grad`` into the contract's gradient (see ARCHITECTURE.md section 2)."""
         if self.settings.scaling == "mean":
             if self._dropped is not None:
@@ -492,56 +661,43 @@ class GradAccumulator:
             return 1.0 / (self._micro_batches * grad_scale)
         if self.settings.scaling == "sum":
             return 1.0 / grad_scale
-        # weighted: .grad holds (1/R) * sum_r sum_i n_ri g_ri * grad_scale after DDP's averaging
-        if isinstance(items, Tensor):
-            return world_size / (grad_scale * items.clamp(min=1))
-        return world_size / (grad_scale * max(items, 1.0))
+        # weighted: .grad holds (1/R) * sum_r sum_i w_ri g_ri * grad_scale after DDP's averaging, where
+        # w = items / reference; dividing by sum w gives sum n g / sum n. A window without items never steps.
+        if isinstance(weights, Tensor):
+            return world_size / (grad_scale * torch.where(weights > 0, weights, 1.0))
+        return world_size / (grad_scale * (weights if weights > 0 else 1.0))
 
-    def _update_ledger(self, **step: Tensor | float) -> None:
+    def _update_ledger(self, *, count: bool, **step: Tensor | float) -> None:
         if self._ledger is None:
-            if any(self._host_ledger):
-                self._ledger = torch.tensor(self._host_ledger, dtype=self._ledger_dtype, device=self.device)
-            else:
-                self._ledger = torch.zeros(len(_LEDGER_FIELDS), dtype=self._ledger_dtype, device=self.device)
-        old = self._ledger
+            self._ledger = torch.tensor(self._host_ledger, dtype=self._ledger_dtype, device=self.device)
+        old = dict(zip(_LEDGER_FIELDS, self._ledger.unbind(), strict=True))
         values = {key: self._scalar(value) for key, value in step.items()}
-        finite_norm = torch.where(torch.isfinite(values["norm"]), values["norm"], 0.0)
-        self._ledger = torch.stack(
-            [
-                old[_OVERFLOW] + values["nonfinite"],
-                old[_SKIPPED] + values["skipped"],
-                old[_CLIPPED] + values["clipped"],
-                values["norm"],
-                torch.maximum(old[_MAX_NORM], finite_norm),
-                values["items"],
-                values["window_loss"],
-                old[_BAD_ITEMS] + values["bad_items"],
-            ]
+        norm = values["last_grad_norm"]
+        values["max_grad_norm_seen"] = torch.maximum(
+            old["max_grad_norm_seen"], torch.where(torch.isfinite(norm), norm, 0.0)
         )
+        for name in _COUNTERS:
+            values[name] = old[name] + values[name] if count else old[name]
+        self._ledger = torch.stack([values[name] for name in _LEDGER_FIELDS])
         self._host_ledger_fresh = False
 
-    def _sync(self, flag: Tensor | None = None) -> bool:
-        """Copy the ledger (and ``flag``) to the host in one device sync; check the recorded item counts.
+    def _sync(self, *flags: Tensor | float | bool) -> list[float]:
+        """Copy the ledger (and ``flags``) to the host in one device sync.
 
         Returns:
-            ``bool(flag)``, or True without a flag.
+            The flags' values.
         """
-        if (self._host_ledger_fresh and flag is None) or self._ledger is None:
-            return True
+        if self._ledger is None or (self._host_ledger_fresh and not flags):
+            return [float(flag) for flag in flags]
         packed = (
-            self._ledger
-            if flag is None
-            else torch.cat([self._ledger, flag.reshape(1).to(self._ledger.dtype)])
+            torch.cat([self._ledger, torch.stack([self._scalar(flag) for flag in flags])])
+            if flags
+            else self._ledger
         )
         values = [float(v) for v in packed.tolist()]
         self._host_ledger = values[: len(_LEDGER_FIELDS)]
         self._host_ledger_fresh = True
-        if self._host_ledger[_BAD_ITEMS]:
-            raise ValueError(
-                "An item count given as a tensor was not a positive integer (a micro-batch with 0 or fewer"
-                " items). Check `item_count_fn` or the `items` passed to `record()`."
-            )
-        return flag is None or bool(values[-1])
+        return values[len(_LEDGER_FIELDS) :]
 
     # -------------------------------------------------------------------------------------- reporting
 
@@ -558,11 +714,12 @@ class GradAccumulator:
             skipped_steps=int(ledger["skipped_steps"]),
             overflow_count=int(ledger["overflow_count"]),
             clip_count=int(ledger["clip_count"]),
+            empty_windows=int(ledger["empty_windows"]),
             last_grad_norm=ledger["last_grad_norm"],
             max_grad_norm_seen=ledger["max_grad_norm_seen"],
-            items_last_step=int(ledger["items_last_step"]),
+            items_last_step=ledger["items_last_step"],
             micro_batches_last_step=self._micro_batches_last_step,
-            num_parameters=sum(param.numel() for _, param in self._named),
+            num_parameters=sum(param.numel() for _, param in self._named if param.requires_grad),
             buffer_bytes=self._buffers.nbytes if self._buffers is not None else 0,
             peak_memory_bytes=self._peak_memory_bytes,
         )
@@ -571,7 +728,7 @@ class GradAccumulator:
     def window_loss(self) -> float:
         """Item-weighted mean loss of the last window, over ranks (``nan`` if no loss was recorded)."""
         self._sync()
-        return self._host_ledger[_LOSS]
+        return self._host_ledger[_LEDGER_FIELDS.index("window_loss")]
 
     def reset(self, *, set_grads_to_none: bool = True) -> None:
         """Discard the open window (its buffers, and its gradients by default); lifetime counters are kept."""
@@ -592,16 +749,10 @@ class GradAccumulator:
             "peak_memory_bytes": self._peak_memory_bytes,
         }
         for name, value in zip(_LEDGER_FIELDS, self._host_ledger, strict=True):
-            state[name] = int(value) if name in _INT_FIELDS else value
+            state[name] = int(value) if name in _COUNTERS else value
         return state
 
     # ---------------------------------------------------------------------------------- open window
-
-    def _window_tensors(self) -> tuple[str, list[Tensor | None]]:
-        """Where the open window's sum lives now, one entry per tracked parameter."""
-        if self._buffers is not None and self._buffers.holds_window and not self._flushed:
-            return "buffers", list(self._buffers.tensors)
-        return "grads", [param.grad for _, param in self._named]
 
     def window_state_dict(self) -> dict[str, Any] | None:
         """The open window (its summed gradients and counters), or ``None`` between windows.
@@ -618,23 +769,30 @@ class GradAccumulator:
         def summed(tensor: Tensor) -> Tensor:
             return all_reduce(tensor.clone()) if world_size > 1 and all_reduce is not None else tensor
 
-        kind, sums = self._window_tensors()
+        in_buffers = self._buffers is not None and not self._flushed
+        sums = self._buffers.window() if in_buffers and self._buffers is not None else None
         tensors: dict[str, Tensor] = {}
-        for (name, param), tensor in zip(self._named, sums, strict=True):
-            dtype = self._buffers.dtype if kind == "buffers" and self._buffers is not None else param.dtype
+        for index, (name, param) in enumerate(self._named):
+            tensor = sums[index] if sums is not None else param.grad
+            if tensor is None and not param.requires_grad:  # frozen: nothing to save (the same on every rank)
+                continue
+            dtype = self._buffers.dtype if in_buffers and self._buffers is not None else param.dtype
             local = tensor.detach() if tensor is not None else torch.zeros_like(param, dtype=dtype)
             tensors[name] = summed(local).cpu()
         totals = self._tally.totals()
         micro_clips = self._micro_clips if self._micro_clips is not None else 0.0
         counters = torch.stack([self._scalar(value) for value in (*astuple(totals), micro_clips)])
-        items, loss_sum, loss_weight, bad_items, micro_clips = summed(counters).tolist()
+        items, weights, loss_sum, loss_weight, bad_items, micro_clips = summed(counters).tolist()
+        reference = self._reference_count
         return {
             "version": WINDOW_STATE_VERSION,
-            "kind": kind,
+            "kind": "buffers" if in_buffers else "grads",
             "world_size": world_size,
             "micro_batches": self._micro_batches,
             "dropped": float(self._dropped) if self._dropped is not None else None,  # the same on every rank
             "items": items,
+            "weights": weights,
+            "reference_count": float(reference) if reference is not None else None,
             "loss_sum": loss_sum,
             "loss_weight": loss_weight,
             "micro_clips": micro_clips,
@@ -662,19 +820,27 @@ class GradAccumulator:
         self._open_window()
         for _, param in self._named:
             param.grad = None
+        saved_tensors = state["tensors"]
+        saved: list[Tensor | None] = [
+            None
+            if name not in saved_tensors
+            else saved_tensors[name].to(param.device) * rescale
+            if primary
+            else torch.zeros_like(param, dtype=expected[name][1])
+            for name, param in self._named
+        ]
         if primary:
-            saved = [state["tensors"][name].to(param.device) * rescale for name, param in self._named]
-            self._tally.host_items = round(state["items"])
-            self._tally.host_loss_sum = (
-                float(state["loss_sum"]) * rescale
-            )  # losses are in the gradients' units
+            self._tally.host_items = float(state["items"])
+            # format 1 weighted by raw counts: its weights are its items, relative to a reference of 1
+            self._tally.host_weights = float(state.get("weights", state["items"]))
+            self._tally.host_loss_sum = float(state["loss_sum"]) * rescale  # in the gradients' units
             self._tally.host_loss_weight = float(state["loss_weight"])
             if state["micro_clips"]:
                 self._micro_clips = self._scalar(state["micro_clips"])
-            if state["bad_items"]:
-                self._tally.unchecked_items.append(torch.zeros((), dtype=torch.int64, device=self.device))
-        else:
-            saved = [torch.zeros_like(param, dtype=expected[name][1]) for name, param in self._named]
+            self._tally.host_bad = float(state["bad_items"])
+        if self.settings.scaling == "weighted":
+            reference = state.get("reference_count", 1.0)
+            self._reference_count = float(reference) if reference is not None else None
         if self._buffers is not None:
             self._buffers.load(saved)
         else:
@@ -691,15 +857,16 @@ class GradAccumulator:
                 f"Cannot load accumulator state of version {state.get('version')!r};"
                 f" expected {_STATE_VERSION}."
             )
-        missing = [
-            key for key in (*_LEDGER_FIELDS, "optimizer_steps", "total_micro_batches") if key not in state
-        ]
+        required = [name for name in _LEDGER_FIELDS if name not in _OPTIONAL_FIELDS]
+        missing = [key for key in (*required, "optimizer_steps", "total_micro_batches") if key not in state]
         if missing:
             raise ValueError(f"Accumulator state is missing {missing}.")
         self._optimizer_steps = int(state["optimizer_steps"])
         self._total_micro_batches = int(state["total_micro_batches"])
         self._micro_batches_last_step = int(state.get("micro_batches_last_step", 0))
         self._peak_memory_bytes = int(state.get("peak_memory_bytes", 0))
-        self._host_ledger = [float(state[name]) for name in _LEDGER_FIELDS]
+        self._host_ledger = [
+            float(state.get(name, _OPTIONAL_FIELDS.get(name, 0.0))) for name in _LEDGER_FIELDS
+        ]
         self._host_ledger_fresh = True
         self._ledger = None

@@ -18,10 +18,13 @@ from .kernels import scale_
 
 
 class GradBuffers:
-    """One buffer per parameter, allocated lazily on the parameter's device.
+    """One buffer per parameter, allocated on the parameter's device when it first receives a gradient.
+
+    A parameter that never gets a gradient (frozen, or unused) costs nothing; one unfrozen later gets its
+    buffer then.
 
     Args:
-        named_parameters: The trainable parameters and their names.
+        named_parameters: The parameters and their names.
         dtype: The buffers' dtype; it must hold every parameter dtype exactly (``float32`` for bf16 or
             fp16 parameters).
         foreach: Use fused ``torch._foreach_*`` kernels (``None``/``True``) or a per-tensor loop.
@@ -38,37 +41,46 @@ class GradBuffers:
     def __init__(
         self, named_parameters: Sequence[tuple[str, Tensor]], dtype: torch.dtype, foreach: bool | None = None
     ) -> None:
-        for name, param in named_parameters:
-            wide_enough = torch.promote_types(param.dtype, dtype)
-            if wide_enough != dtype:
-                raise ValueError(
-                    f"Argument `accumulation_dtype={dtype}` is narrower than parameter `{name}`"
-                    f" ({param.dtype}); use a dtype that holds it exactly, e.g. {wide_enough}."
-                )
-        self.params = [param for _, param in named_parameters]
         self.dtype = dtype
         self.foreach = foreach
-        self._buffers: list[Tensor] | None = None
-        # True while the buffers hold nothing of the open window: the next absorb copies instead of adding,
-        # which saves a zeroing pass per window.
-        self._stale = True
+        self.params: list[Tensor] = []
+        self._buffers: list[Tensor | None] = []
+        # Per parameter: whether its buffer holds a gradient of the open window. A buffer that does not is
+        # overwritten (not added to) by the next gradient, which saves a zeroing pass per window.
+        self._holds: list[bool] = []
+        self.retrack(named_parameters)
+
+    def retrack(self, named_parameters: Sequence[tuple[str, Tensor]]) -> None:
+        """Follow a new set of parameters, keeping the buffers (and open window) of those still present."""
+        for name, param in named_parameters:
+            wide_enough = torch.promote_types(param.dtype, self.dtype)
+            if wide_enough != self.dtype:
+                raise ValueError(
+                    f"Argument `accumulation_dtype={self.dtype}` is narrower than parameter `{name}`"
+                    f" ({param.dtype}); use a dtype that holds it exactly, e.g. {wide_enough}."
+                )
+        old = {
+            id(param): (buffer, holds)
+            for param, buffer, holds in zip(self.params, self._buffers, self._holds, strict=True)
+        }
+        self.params = [param for _, param in named_parameters]
+        kept = [old.get(id(param), (None, False)) for param in self.params]
+        self._buffers = [buffer for buffer, _ in kept]
+        self._holds = [holds for _, holds in kept]
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the buffers (0 until the first micro-batch allocates them)."""
-        return sum(b.numel() * b.element_size() for b in self._buffers) if self._buffers is not None else 0
+        """Bytes held by the buffers (0 until a parameter receives its first gradient)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers if b is not None)
 
     @property
     def holds_window(self) -> bool:
         """Whether the buffers hold gradients of the open window."""
-        return not self._stale
+        return any(self._holds)
 
-    @property
-    def tensors(self) -> list[Tensor]:
-        """The buffers (allocating them if needed)."""
-        if self._buffers is None:
-            self._buffers = [torch.zeros_like(p, dtype=self.dtype) for p in self.params]
-        return self._buffers
+    def window(self) -> list[Tensor | None]:
+        """The open window's sum per parameter (``None`` where a parameter has no gradient in it)."""
+        return [buffer if holds else None for buffer, holds in zip(self._buffers, self._holds, strict=True)]
 
     def absorb(self, keep: Tensor | None = None, multiplier: Tensor | None = None) -> None:
         """Add every ``.grad`` into its buffer and release ``.grad``; never syncs.
@@ -78,26 +90,31 @@ class GradBuffers:
                 ``nan``, which no multiplication can remove).
             multiplier: A device scalar applied to the gradients first (per-micro-batch clipping).
         """
-        buffers = self.tensors
-        pairs = [(b, p.grad) for b, p in zip(buffers, self.params, strict=True) if p.grad is not None]
-        grads = [g for _, g in pairs]
+        indices = [i for i, param in enumerate(self.params) if param.grad is not None]
+        grads = [self.params[i].grad for i in indices]
         if keep is not None:
             for grad in grads:  # masked_fill_ is the one in-place op that removes nan/inf; no foreach form
-                grad.masked_fill_(~keep, 0)
+                grad.masked_fill_(~keep, 0)  # type: ignore[union-attr]
         if multiplier is not None:
-            scale_(grads, multiplier, foreach=self.foreach)
-        targets = [b for b, _ in pairs]
-        if self._stale:
-            if len(pairs) != len(buffers):  # a parameter without gradient in this micro-batch
-                torch._foreach_zero_(buffers)
-                self._add(targets, grads)
-            else:
-                self._copy(targets, grads)
-        else:
-            self._add(targets, grads)
-        self._stale = False
-        for param in self.params:
-            param.grad = None
+            scale_(grads, multiplier, foreach=self.foreach)  # type: ignore[arg-type]
+        add_to: list[Tensor] = []
+        add_from: list[Tensor] = []
+        copy_to: list[Tensor] = []
+        copy_from: list[Tensor] = []
+        for i, grad in zip(indices, grads, strict=True):
+            assert grad is not None
+            buffer = self._buffers[i]
+            if buffer is None:
+                buffer = self._buffers[i] = torch.empty_like(self.params[i], dtype=self.dtype)
+            (add_to if self._holds[i] else copy_to).append(buffer)
+            (add_from if self._holds[i] else copy_from).append(grad)
+            self._holds[i] = True
+        if add_to:
+            self._add(add_to, add_from)
+        if copy_to:
+            self._copy(copy_to, copy_from)
+        for i in indices:
+            self.params[i].grad = None
 
     def _add(self, targets: list[Tensor], grads: list[Tensor]) -> None:
         if self.foreach is False:
@@ -117,19 +134,33 @@ class GradBuffers:
         """Set every ``.grad`` to its buffer, cast to the parameter's dtype; the buffers become free again.
 
         Called at the boundary (after scaling), or before the backward that DDP synchronizes or a GradScaler
-        unscales, so that the window's sum takes part in them.
+        unscales, so that the window's sum takes part in them. Parameters without a gradient in the window
+        keep ``.grad = None`` (optimizers skip them, as without buffers).
         """
-        if self._stale:
+        if not self.holds_window:
             return
-        for param, buffer in zip(self.params, self.tensors, strict=True):
-            param.grad = buffer.to(param.dtype, copy=True)
-        self._stale = True
+        for i, (param, buffer) in enumerate(zip(self.params, self._buffers, strict=True)):
+            if self._holds[i]:
+                assert buffer is not None
+                param.grad = buffer.to(param.dtype, copy=True)
+                self._holds[i] = False
 
-    def load(self, tensors: Sequence[Tensor]) -> None:
-        """Make ``tensors`` the sum of the open window (restoring a saved window)."""
-        self._copy(self.tensors, list(tensors))
-        self._stale = False
+    def load(self, tensors: Sequence[Tensor | None]) -> None:
+        """Make ``tensors`` the sum of the open window (restoring a saved window); ``None``: no gradient."""
+        self.discard()
+        targets: list[Tensor] = []
+        sources: list[Tensor] = []
+        for i, tensor in enumerate(tensors):
+            if tensor is None:
+                continue
+            if self._buffers[i] is None:
+                self._buffers[i] = torch.empty_like(self.params[i], dtype=self.dtype)
+            targets.append(self._buffers[i])  # type: ignore[arg-type]
+            sources.append(tensor)
+            self._holds[i] = True
+        if targets:
+            self._copy(targets, sources)
 
     def discard(self) -> None:
-        """Forget the open window (the next absorb overwrites the buffers)."""
-        self._stale = True
+        """Forget the open window (the next gradients overwrite the buffers)."""
+        self._holds = [False] * len(self.params)

@@ -1,7 +1,8 @@
 """WindowTally: what a window's micro-batches recorded, reduced to totals only at the boundary.
 
 Recording a micro-batch appends to lists (no kernel launch, no sync); the boundary stacks them into
-totals with a handful of kernels, once per window.
+totals with a handful of kernels, once per window. Invalid item counts are recorded too (with weight 0), so
+that the error can be raised at the boundary on every rank together, never on one rank alone.
 """
 
 from __future__ import annotations
@@ -17,13 +18,23 @@ class WindowTotals:
     """Totals of a window as device scalars (or Python numbers where nothing was a tensor)."""
 
     items: Tensor | float
+    weights: Tensor | float  # sum of the weights the losses were multiplied by (scaling="weighted")
     loss_sum: Tensor | float
     loss_weight: Tensor | float
-    bad_items: Tensor | float  # > 0 when an item count given as a tensor was not positive
+    bad_items: Tensor | float  # number of invalid item counts
+
+
+@dataclass(frozen=True)
+class InvalidCount:
+    """Where an item count given as a tensor came from, to name it if its value turns out invalid."""
+
+    flag: Tensor  # device bool: the value was negative or not finite
+    value: Tensor
+    label: str
 
 
 class WindowTally:
-    """Per-micro-batch item counts and losses of the open window.
+    """Per-micro-batch item counts, loss weights and losses of the open window.
 
     Args:
         device: Where the totals are built.
@@ -31,7 +42,7 @@ class WindowTally:
 
     Example:
         >>> tally = WindowTally(torch.device("cpu"), torch.float64)
-        >>> tally.add(4, torch.tensor(1.0))
+        >>> tally.add(4.0, torch.tensor(1.0))
         >>> tally.add(torch.tensor(2), torch.tensor(4.0))
         >>> totals = tally.totals()
         >>> float(totals.items), float(totals.loss_sum / totals.loss_weight)
@@ -45,44 +56,57 @@ class WindowTally:
 
     def clear(self) -> None:
         """Forget the window."""
-        self.host_items = 0
+        self.host_items = 0.0
+        self.host_weights = 0.0
         self.host_loss_sum = 0.0
         self.host_loss_weight = 0.0
         self.item_tensors: list[Tensor] = []
-        self.unchecked_items: list[Tensor] = []  # item counts given as tensors: checked at the boundary
+        self.weight_tensors: list[Tensor] = []
         self.losses: list[Tensor] = []
-        self.loss_weights: list[int | Tensor] = []
+        self.loss_weights: list[float | Tensor] = []
+        self.problems: list[str] = []  # invalid counts found on the host: messages
+        self.checks: list[InvalidCount] = []  # counts given as tensors: checked at the boundary
+        self.host_bad = 0.0  # invalid counts restored from a saved window
 
     def add(
-        self, items: int | Tensor | None, loss: Tensor | float | None, keep: Tensor | None = None
+        self,
+        items: float | Tensor | None,
+        loss: Tensor | float | None,
+        keep: Tensor | None = None,
+        weight: float | Tensor | None = None,
     ) -> None:
         """Record one micro-batch; ``keep`` (a device bool) masks a dropped micro-batch out of every total.
 
-        Without ``keep`` this launches no kernel.
+        ``weight`` is the factor its loss was multiplied by (``scaling="weighted"``). Without ``keep`` and
+        tensors this launches no kernel.
         """
-        if isinstance(items, Tensor):
-            self.unchecked_items.append(items)
-        weight: int | Tensor = 1 if items is None else items
+        loss_weight: float | Tensor = 1.0 if items is None else items
         if keep is not None:  # a dropped micro-batch's loss is often nan: select, don't multiply
-            weight = torch.where(keep, self._scalar(weight), 0.0)
+            loss_weight = torch.where(keep, self._scalar(loss_weight), 0.0)
             if items is not None:
-                items = weight
+                items = loss_weight
+            if weight is not None:
+                weight = torch.where(keep, self._scalar(weight), 0.0)
             if loss is not None:
                 loss = torch.where(keep, self._scalar(loss), 0.0)
         if isinstance(items, Tensor):
             self.item_tensors.append(items)
         elif items is not None:
             self.host_items += items
+        if isinstance(weight, Tensor):
+            self.weight_tensors.append(weight)
+        elif weight is not None:
+            self.host_weights += weight
         if isinstance(loss, Tensor):
             self.losses.append(loss.detach())
-            self.loss_weights.append(weight)
+            self.loss_weights.append(loss_weight)
         elif loss is not None:
-            if isinstance(weight, Tensor):
+            if isinstance(loss_weight, Tensor):
                 self.losses.append(self._scalar(loss))
-                self.loss_weights.append(weight)
+                self.loss_weights.append(loss_weight)
             else:
-                self.host_loss_sum += float(loss) * weight
-                self.host_loss_weight += weight
+                self.host_loss_sum += float(loss) * loss_weight
+                self.host_loss_weight += loss_weight
 
     def _scalar(self, value: Tensor | float) -> Tensor:
         if isinstance(value, Tensor):
@@ -98,27 +122,37 @@ class WindowTally:
 
     def totals(self) -> WindowTotals:
         """Sum the window: a few kernels when tensors were recorded, none otherwise."""
-        items: Tensor | float = float(self.host_items)
-        bad_items: Tensor | float = 0.0
+        items: Tensor | float = self.host_items
         if self.item_tensors:
             items = self._vector(self.item_tensors).sum() + self.host_items
-        if self.unchecked_items:
-            smallest = self._vector(self.unchecked_items).min()
-            bad_items = (smallest < 1).to(self.dtype)
+        weights: Tensor | float = self.host_weights
+        if self.weight_tensors:
+            weights = self._vector(self.weight_tensors).sum() + self.host_weights
+        bad_items: Tensor | float = float(len(self.problems)) + self.host_bad
+        if self.checks:
+            bad_items = self._vector([check.flag for check in self.checks]).sum() + bad_items
         loss_sum: Tensor | float = self.host_loss_sum
         loss_weight: Tensor | float = self.host_loss_weight
         if self.losses:
             losses = self._vector(self.losses)
-            int_weights = [w for w in self.loss_weights if isinstance(w, int)]
-            if len(int_weights) == len(self.loss_weights):
-                if len(set(int_weights)) == 1:  # the common case: one micro-batch size
-                    loss_sum = losses.sum() * int_weights[0]
+            host_weights = [w for w in self.loss_weights if not isinstance(w, Tensor)]
+            if len(host_weights) == len(self.loss_weights):
+                if len(set(host_weights)) == 1:  # the common case: one micro-batch size
+                    loss_sum = losses.sum() * host_weights[0]
                 else:  # a scalar list: no host-to-device copy
-                    loss_sum = torch.stack(torch._foreach_mul(list(losses.unbind()), int_weights)).sum()
-                loss_weight = float(sum(int_weights)) + self.host_loss_weight
+                    loss_sum = torch.stack(torch._foreach_mul(list(losses.unbind()), host_weights)).sum()
+                loss_weight = float(sum(host_weights)) + self.host_loss_weight
             else:
                 weight_vector = torch.stack([self._scalar(w) for w in self.loss_weights])
                 loss_sum = (losses * weight_vector).sum()
                 loss_weight = weight_vector.sum() + self.host_loss_weight
             loss_sum = loss_sum + self.host_loss_sum
-        return WindowTotals(items, loss_sum, loss_weight, bad_items)
+        return WindowTotals(items, weights, loss_sum, loss_weight, bad_items)
+
+    def invalid_counts(self) -> list[str]:
+        """Describe every invalid count of the window (syncs: for the error path only)."""
+        found = list(self.problems)
+        for check in self.checks:
+            if bool(check.flag):
+                found.append(f"{check.label} is {check.value.item()!r}")
+        return found

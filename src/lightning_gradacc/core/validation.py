@@ -6,6 +6,7 @@ Every check raises before any training starts and names the argument, the value 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -116,28 +117,41 @@ def check_norm_type(value: Any) -> float:
     return float(value)
 
 
-def check_item_count(items: Any, where: str) -> int | torch.Tensor:
-    """Validate one micro-batch's item count without a host sync.
+def check_item_count(items: Any, where: str) -> float | torch.Tensor:
+    """Validate one micro-batch's item count (a weight in ``sum(n_i * loss_i) / sum(n_i)``) without a sync.
 
-    Python ints are checked at once. Tensors must be integer scalars; their value is checked at the window
-    boundary, where the accumulator synchronizes anyway (checking it here would stall a GPU).
+    Any finite number >= 0 is an item count: an ``int``, a ``float``, a numpy scalar, or a real scalar tensor
+    (``attention_mask.sum()``, ``mask.float().sum()``). Host numbers are returned as ``float``; a tensor is
+    returned as is (reshaped to a scalar), its *value* is checked where the caller synchronizes anyway
+    (checking it here would stall a GPU).
+
+    Raises:
+        TypeError: ``items`` is not a number or a one-element real tensor.
+        ValueError: a host number that is negative or not finite.
 
     Example:
-        >>> check_item_count(32, "items")
-        32
+        >>> check_item_count(32, "items"), check_item_count(2.5, "items")
+        (32.0, 2.5)
     """
     if isinstance(items, torch.Tensor):
-        if items.numel() != 1 or items.is_floating_point() or items.is_complex() or items.dtype == torch.bool:
+        if items.numel() != 1 or items.is_complex() or items.dtype == torch.bool:
             raise TypeError(
-                f"Expected {where} to be a positive integer or an integer scalar tensor, but got a tensor"
+                f"Expected {where} to be a number >= 0 or a one-element real tensor, but got a tensor"
                 f" of dtype {items.dtype} and shape {tuple(items.shape)}."
             )
         return items.reshape(())
-    if isinstance(items, bool) or not isinstance(items, int):
-        raise TypeError(f"Expected {where} to be a positive integer, but got {items!r}.")
-    if items < 1:
-        raise ValueError(f"Expected {where} to be a positive integer, but got {items!r}.")
-    return items
+    real = isinstance(items, numbers.Real) and not isinstance(items, bool)
+    numpy_array = (  # 0-d or one-element numpy arrays
+        type(items).__module__ == "numpy"
+        and getattr(items, "size", 0) == 1
+        and getattr(getattr(items, "dtype", None), "kind", None) in ("i", "u", "f")
+    )
+    if not (real or numpy_array):
+        raise TypeError(f"Expected {where} to be a number >= 0, but got {items!r}.")
+    value = float(items)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"Expected {where} to be a finite number >= 0, but got {items!r}.")
+    return value
 
 
 def check_buffer_settings(

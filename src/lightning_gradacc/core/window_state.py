@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-WINDOW_STATE_VERSION = 1
+WINDOW_STATE_VERSION = 2  # 2: weights relative to a reference count, frozen parameters left out
+READABLE_VERSIONS = (1, 2)
 
 
 def check_window_state(
@@ -24,21 +25,22 @@ def check_window_state(
 
     Args:
         state: A dict saved by ``GradAccumulator.window_state_dict``.
-        expected: Shape and dtype of the tensor each trainable parameter name needs.
+        expected: Shape and dtype of the tensor each tracked parameter name needs. A parameter the state
+            has no tensor for had no gradient in the window.
         kind: ``"grads"`` or ``"buffers"``: where the accumulator keeps the window's sum now.
         world_size: Ranks now.
 
     Example:
         >>> check_window_state(
-        ...     {"version": 1, "kind": "grads", "world_size": 1, "micro_batches": 2,
+        ...     {"version": 2, "kind": "grads", "world_size": 1, "micro_batches": 2,
         ...      "tensors": {"w": torch.zeros(3)}},
         ...     {"w": (torch.Size([3]), torch.float32)}, "grads", 1)
     """
     version = state.get("version")
-    if version != WINDOW_STATE_VERSION:
+    if version not in READABLE_VERSIONS:
         raise ValueError(
             f"The checkpoint's pending accumulation window has format version {version!r}; this version of"
-            f" lightning_gradacc reads {WINDOW_STATE_VERSION}."
+            f" lightning_gradacc reads {' and '.join(map(str, READABLE_VERSIONS))}."
         )
     if state.get("kind") != kind:
         where = {"grads": "`.grad` (no accumulation_dtype)", "buffers": "accumulation buffers"}
@@ -56,9 +58,6 @@ def check_window_state(
     tensors = state.get("tensors")
     if not isinstance(tensors, Mapping):
         raise ValueError("The checkpoint's pending window has no `tensors`.")
-    for name in expected:
-        if name not in tensors:
-            raise ValueError(f"The checkpoint's pending window has no gradient for parameter `{name}`.")
     for name, tensor in tensors.items():
         if name not in expected:
             raise ValueError(
