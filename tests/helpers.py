@@ -227,17 +227,21 @@ def big_batch_reference(
     skip_windows: Sequence[int] = (),
     max_grad_norm: float | None = None,
     losses: list[float] | None = None,
+    prepare: Callable[[nn.Module, int], None] | None = None,
 ) -> nn.Module:
     """Train a copy of ``net`` with one optimizer step per window on the window's samples as ONE batch.
 
     The loss of the big batch is the loss of all its items at once (for token data: the mean over every
     real token of the window); ``sum_of_means`` multiplies it by the number of micro-batches (the "sum"
-    contract with equal micro-batches).
+    contract with equal micro-batches). ``prepare(reference, window_index)`` runs before each window (e.g. to
+    freeze or unfreeze layers); only parameters with ``requires_grad`` then take part, as in the optimizer.
     """
     reference = copy.deepcopy(net)
     opt = make_optimizer(optimizer, reference.parameters(), lr)
     tensors = data.tensors
     for index, window in enumerate(window_list):
+        if prepare is not None:
+            prepare(reference, index)
         rows = torch.cat([torch.arange(b * batch_size, min((b + 1) * batch_size, len(data))) for b in window])
         opt.zero_grad()
         loss = loss_fn(reference, *(t[rows] for t in tensors))
@@ -247,7 +251,8 @@ def big_batch_reference(
             loss = loss * len(window)
         loss.backward()
         if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
+            trainable = [p for p in reference.parameters() if p.requires_grad]
+            torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
         if index in skip_windows:
             continue
         opt.step()

@@ -402,6 +402,7 @@ class GradientAccumulationCallback(Callback):
         try:
             trainer.fit_loop.setup_data()  # what `trainer.estimated_stepping_batches` does; loaded once
         except Exception as error:  # e.g. data built in LightningModule.setup, which runs after this hook
+            trainer.fit_loop._combined_loader = None  # a half-built loader would be kept: load it again later
             rank_zero_warn(
                 f"`target_batch_size={self.plan.target_batch_size}` could not read the train dataloader in"
                 f" `setup` ({type(error).__name__}: {error}); K is resolved when training starts instead, so"

@@ -104,7 +104,7 @@ class WindowTally:
             if isinstance(loss_weight, Tensor):
                 self.losses.append(self._scalar(loss))
                 self.loss_weights.append(loss_weight)
-            else:
+            elif loss_weight:
                 self.host_loss_sum += float(loss) * loss_weight
                 self.host_loss_weight += loss_weight
 
@@ -133,18 +133,23 @@ class WindowTally:
             bad_items = self._vector([check.flag for check in self.checks]).sum() + bad_items
         loss_sum: Tensor | float = self.host_loss_sum
         loss_weight: Tensor | float = self.host_loss_weight
-        if self.losses:
-            losses = self._vector(self.losses)
-            host_weights = [w for w in self.loss_weights if not isinstance(w, Tensor)]
-            if len(host_weights) == len(self.loss_weights):
+        # A micro-batch with 0 items has no loss (a mean over nothing is nan): it weighs nothing here either.
+        host_only = all(not isinstance(w, Tensor) for w in self.loss_weights)
+        pairs = list(zip(self.losses, self.loss_weights, strict=True))
+        if host_only:
+            pairs = [(loss, w) for loss, w in pairs if w != 0]
+        if pairs:
+            losses = self._vector([loss for loss, _ in pairs])
+            if host_only:
+                host_weights = [float(w) for _, w in pairs]
                 if len(set(host_weights)) == 1:  # the common case: one micro-batch size
                     loss_sum = losses.sum() * host_weights[0]
                 else:  # a scalar list: no host-to-device copy
                     loss_sum = torch.stack(torch._foreach_mul(list(losses.unbind()), host_weights)).sum()
                 loss_weight = float(sum(host_weights)) + self.host_loss_weight
             else:
-                weight_vector = torch.stack([self._scalar(w) for w in self.loss_weights])
-                loss_sum = (losses * weight_vector).sum()
+                weight_vector = torch.stack([self._scalar(w) for _, w in pairs])
+                loss_sum = torch.where(weight_vector > 0, losses * weight_vector, 0.0).sum()
                 loss_weight = weight_vector.sum() + self.host_loss_weight
             loss_sum = loss_sum + self.host_loss_sum
         return WindowTotals(items, weights, loss_sum, loss_weight, bad_items)
