@@ -321,3 +321,21 @@ def test_sparse_gradients_are_refused_with_the_parameter_name() -> None:
     accumulator.backward(embedding(torch.tensor([1, 3])).sum())
     with pytest.raises(TypeError, match="Sparse gradients are not supported \\(parameter `weight`\\)"):
         accumulator.finalize()
+
+
+def test_a_bad_count_on_another_rank_raises_on_this_rank_too() -> None:
+    """The decision is taken on the window's totals summed over ranks, so no rank is left waiting."""
+
+    def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.numel() == 5:  # the window's totals: the other rank adds 4 items and 1 invalid count
+            tensor += torch.tensor([4.0, 1.0, 0.0, 0.0, 1.0], dtype=tensor.dtype)
+        else:  # the reference count: the other rank's first count is the same
+            tensor *= 2
+        return tensor
+
+    param = torch.zeros(1, requires_grad=True)
+    accumulator = GradAccumulator([param], scaling="weighted", world_size=2, all_reduce=all_reduce)
+    param.grad = torch.ones(1)
+    accumulator.record(4)
+    with pytest.raises(ValueError, match="1 invalid item count.* on another rank"):
+        accumulator.finalize()

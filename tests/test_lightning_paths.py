@@ -202,7 +202,9 @@ class GradNormProbe(pl.Callback):
     def __init__(self) -> None:
         self.norms: list[float] = []
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
 
@@ -265,7 +267,9 @@ class NamedTupleModule(h.RegressionModule):
 def test_weighted_refuses_an_ambiguous_batch_size_and_asks_for_item_count_fn() -> None:
     module = NamedTupleModule(True, data=h.regression_data(38))
     callback = GradientAccumulationCallback(4, scaling="weighted")
-    with pytest.raises(ValueError, match=r"batch size of batch 0 is ambiguous: it holds a 0-dim.*item_count_fn"):
+    with pytest.raises(
+        ValueError, match=r"batch size of batch 0 is ambiguous: it holds a 0-dim.*item_count_fn"
+    ):
         fit(module, callback)
     assert h.max_abs_diff(module.net, h.regression_net()) == 0  # raised before any update
 
@@ -354,7 +358,9 @@ def test_swa_with_batchnorm_works_with_the_callback_before_or_after(first: str) 
         module = BatchNormModule(data=h.regression_data(32))  # 8 batches, K=4: full windows only
         swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
         snapshots = EpochStartSnapshots()
-        callbacks: list[pl.Callback] = [snapshots] if builtin else [snapshots, GradientAccumulationCallback(4)]
+        callbacks: list[pl.Callback] = (
+            [snapshots] if builtin else [snapshots, GradientAccumulationCallback(4)]
+        )
         callbacks = [swa, *callbacks] if first == "swa" else [*callbacks, swa]
         options = {"accumulate_grad_batches": 4} if builtin else {}
         return module, fit(module, *callbacks, max_epochs=3, **options), snapshots
@@ -371,7 +377,9 @@ def test_swa_with_batchnorm_works_with_the_callback_before_or_after(first: str) 
     # SWA averages the weights at the start of epochs 0, 1 and 2; the result must be that average. The
     # built-in steps once more in the BatchNorm epoch with the last window's stale gradient (0.037 off);
     # the callback closes that empty window without a step.
-    average = [sum(epoch_params) / 3 for epoch_params in zip(*(ours.params[e] for e in range(3)), strict=True)]
+    average = [
+        sum(epoch_params) / 3 for epoch_params in zip(*(ours.params[e] for e in range(3)), strict=True)
+    ]
     assert max(float((p - a).abs().max()) for p, a in zip(module.parameters(), average, strict=True)) < 1e-6
     assert h.max_abs_diff(builtin, module) > 1e-3
     assert all(torch.equal(a, b) for a, b in zip(module.buffers(), builtin.buffers(), strict=True))
@@ -459,7 +467,9 @@ class OneCycleModule(h.RegressionModule):
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
         self.estimate = (
-            estimated_stepping_batches(self.trainer) if self.exact else self.trainer.estimated_stepping_batches
+            estimated_stepping_batches(self.trainer)
+            if self.exact
+            else self.trainer.estimated_stepping_batches
         )
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=int(self.estimate))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -511,7 +521,9 @@ class OverridesOptimizerStep(h.RegressionModule):
 
 
 def test_overridden_optimizer_step_warns_as_lightnings_scheduler_does() -> None:
-    with pytest.warns(UserWarning, match="override `LightningModule.optimizer_step` or `optimizer_zero_grad`"):
+    with pytest.warns(
+        UserWarning, match="override `LightningModule.optimizer_step` or `optimizer_zero_grad`"
+    ):
         fit(OverridesOptimizerStep(h.regression_data(40)), GradientAccumulationCallback(4))
 
 
@@ -532,7 +544,7 @@ def test_lbfgs_closure_evaluations_are_not_counted_as_windows() -> None:
 
 
 def test_lbfgs_with_accumulation_is_refused_before_training() -> None:
-    with pytest.raises(RuntimeError, match="LBFGS.*Use K=1"):
+    with pytest.raises(RuntimeError, match=r"LBFGS.*Use K=1"):
         fit(LBFGSModule(h.regression_data(40)), GradientAccumulationCallback(2))
 
 

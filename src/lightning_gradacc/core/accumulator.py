@@ -625,7 +625,7 @@ class GradAccumulator:
 
     def _invalid_count_message(self, count: int) -> str:
         found = self._tally.invalid_counts()
-        where = "; ".join(found) if found else "on another rank (see its error)"
+        where = "; ".join(problem.rstrip(".") for problem in found) if found else "on another rank"
         return (
             f"{count} invalid item count(s) in this window: {where}. An item count must be a finite number"
             " >= 0 (a micro-batch with 0 items weighs nothing); check `item_count_fn` or the `items` given."
