@@ -337,5 +337,5 @@ def test_a_bad_count_on_another_rank_raises_on_this_rank_too() -> None:
     accumulator = GradAccumulator([param], scaling="weighted", world_size=2, all_reduce=all_reduce)
     param.grad = torch.ones(1)
     accumulator.record(4)
-    with pytest.raises(ValueError, match="1 invalid item count.* on another rank"):
+    with pytest.raises(ValueError, match=r"1 invalid item count.* on another rank"):
         accumulator.finalize()
