@@ -7,6 +7,7 @@ kind, callback reuse, step-interval schedulers and the smaller hooks a user comb
 from __future__ import annotations
 
 import collections
+import copy
 import math
 import warnings
 from typing import Any
@@ -571,3 +572,108 @@ def test_a_grad_scaler_without_a_tensor_scale_is_an_error_not_a_wrong_statistic(
     plugin = MixedPrecision("16-mixed", "cpu", FloatScaleScaler("cpu"))
     with pytest.raises(RuntimeError, match="keeps no tensor `_scale`"):
         fit(h.RegressionModule(h.regression_data(40)), GradientAccumulationCallback(4), plugins=[plugin])
+
+
+# ----------------------------------------------------------------- found by combining features
+
+
+class ClipsByValueItself(h.RegressionModule):
+    """The documented override: a hard-coded clip that ignores the Trainer's `gradient_clip_val`."""
+
+    def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+
+
+def test_a_skipped_window_with_the_modules_own_clipping_by_value() -> None:
+    module = ClipsByValueItself(h.regression_data(40), nan_at=[5])  # window 1 is not finite
+    callback = GradientAccumulationCallback(4)
+    with pytest.warns(UserWarning, match="optimizer step was skipped"):
+        fit(module, callback)  # crashed: torch's clip_grad_value_ on a list with no gradient
+    net, x_y = h.regression_net(), h.regression_data(40).tensors
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for index, window in enumerate(h.windows(10, 4)):  # the reference clips by value as the module does
+        rows = torch.cat([torch.arange(b * BATCH, (b + 1) * BATCH) for b in window])
+        optimizer.zero_grad()
+        h.mse(net, *(t[rows] for t in x_y)).backward()
+        torch.nn.utils.clip_grad_value_(net.parameters(), 0.01)
+        if index != 1:
+            optimizer.step()
+    assert h.max_abs_diff(module.net, net) < 1e-6
+
+
+class IteratesItself(h.RegressionModule):
+    def training_step(self, dataloader_iter: Any) -> Tensor:  # type: ignore[override]
+        (x, y), _, _ = next(dataloader_iter)
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def test_training_step_with_dataloader_iter_is_refused_when_accumulating() -> None:
+    """Lightning zeroes gradients there with a stale batch index: the first micro-batch would be lost."""
+    with pytest.raises(RuntimeError, match=r"`training_step\(self, dataloader_iter\)` cannot accumulate"):
+        fit(IteratesItself(h.regression_data(40)), GradientAccumulationCallback(4))
+    module = IteratesItself(h.regression_data(40))
+    fit(module, GradientAccumulationCallback(1))
+    assert h.max_abs_diff(module.net, reference(h.windows(10, 1))) < 1e-6
+
+
+def test_batch_size_finder_inside_fit_with_a_target_batch_size() -> None:
+    from pytorch_lightning.callbacks import BatchSizeFinder
+
+    data = h.regression_data(64)
+    module = h.RegressionModule(data, batch_size=2)
+    finder = BatchSizeFinder(mode="power", steps_per_trial=1, init_val=2, max_trials=3)
+    with pytest.warns(UserWarning, match="micro-batch size changed after `setup`"):
+        trainer = fit(module, GradientAccumulationCallback(target_batch_size=32), finder)
+    assert (module.batch_size, trainer.accumulate_grad_batches) == (8, 4)  # 8 x 4 = the target again
+    expected = h.big_batch_reference(h.regression_net(), data, 8, h.windows(8, 4), h.mse)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+
+
+class LazyModule(h.RegressionModule):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def test_lazy_parameters_are_tracked_once_materialized() -> None:
+    module = LazyModule(data=h.regression_data(40))
+    callback = GradientAccumulationCallback(4)
+    fit(module, callback)  # crashed in on_train_start: numel() of an uninitialized parameter
+    builtin = LazyModule(data=h.regression_data(40))
+    fit(builtin, accumulate_grad_batches=4)  # full windows of 4 and one of 2: only the last one differs
+    assert callback.stats.num_parameters == sum(p.numel() for p in module.parameters())
+    assert 1e-4 < h.max_abs_diff(module.net, builtin.net) < 0.5
+
+
+def test_a_used_callback_pickles_for_ddp_spawn() -> None:
+    import pickle
+
+    callback = GradientAccumulationCallback(2)
+    fit(h.RegressionModule(h.regression_data(40)), callback)
+    restored = pickle.loads(pickle.dumps(callback))
+    assert restored.stats.optimizer_steps == callback.stats.optimizer_steps == 5
+
+
+class ValidatedModule(h.RegressionModule):
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(h.regression_data(12, seed=1), batch_size=4)
+
+
+def test_validating_a_mid_window_checkpoint_leaves_the_next_fit_alone(tmp_path: Any) -> None:
+    from tests.test_resume import preempt
+
+    path = tmp_path / "mid.ckpt"
+    preempt(ValidatedModule(h.regression_data(40)), [GradientAccumulationCallback(4)], 5, path)
+    module = ValidatedModule(h.regression_data(40))
+    callback = GradientAccumulationCallback(4)
+    h.trainer(callbacks=[callback]).validate(module, ckpt_path=path)
+    loaded = copy.deepcopy(module.net)
+    fit(module, callback)  # a fresh fit from the validated weights: the checkpoint's window is not its
+    expected = h.big_batch_reference(loaded, h.regression_data(40), BATCH, h.windows(10, 4), h.mse)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    assert (callback.stats.optimizer_steps, callback.stats.total_micro_batches) == (3, 10)

@@ -19,6 +19,7 @@ from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.data import extract_batch_size
 from pytorch_lightning.utilities.model_helpers import is_overridden
+from pytorch_lightning.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 from typing_extensions import override
 
@@ -251,6 +252,7 @@ class GradientAccumulationCallback(Callback):
         self.log_stats = log_stats
 
         self._run_plan: AccumulationPlan | None = None  # the plan of the current fit
+        self._stage: str | None = None  # the stage of the last `setup`
         self._accumulator: GradAccumulator | None = None
         self._loaded_state: dict[str, Any] | None = None
         self._loaded_window: dict[str, Any] | None = None
@@ -267,10 +269,15 @@ class GradientAccumulationCallback(Callback):
         self._backward_in_batch = False  # a backward ran in this batch (False: training_step returned None)
         self._finalized_in_batch = False  # the window was finalized in this batch (LBFGS re-evaluates)
         self._stepped = False
-        self._stashed_clip_val: float | int | None = None
+        self._clipping_paused: Any = None  # the precision plugin whose clipping is paused for this step
         self._skips_warned = 0
         self._skipped_seen = 0
         self._warned_no_items = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_applied_to"] = None  # a weak reference does not pickle (ddp_spawn pickles the callbacks)
+        return state
 
     # ------------------------------------------------------------------------------------ reporting
 
@@ -304,6 +311,7 @@ class GradientAccumulationCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stage = stage
         if stage != "fit":
             return
         self._check_compatibility(trainer, pl_module)
@@ -319,13 +327,22 @@ class GradientAccumulationCallback(Callback):
                 " value."
             )
         self._run_plan = self.plan.for_run(trainer_k)
+        largest = self._run_plan.largest_k()
+        if (largest is None or largest > 1) and is_param_in_hook_signature(
+            pl_module.training_step, "dataloader_iter", explicit=True
+        ):
+            raise RuntimeError(
+                "`training_step(self, dataloader_iter)` cannot accumulate gradients: Lightning then zeroes"
+                " them with a stale batch index, in the middle of a window (its built-in accumulation is"
+                " wrong there too). Use a `training_step(self, batch, batch_idx)` or K=1"
+                f" ({self._describe_plan()})."
+            )
         if self.plan.target_batch_size is not None:
             self._resolve_target_early(trainer)
         self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
         # First in every hook: other callbacks and the module then see the final gradient whatever the order.
         if trainer.callbacks and trainer.callbacks[0] is not self:  # type: ignore[attr-defined]
             trainer.callbacks = [self, *(c for c in trainer.callbacks if c is not self)]  # type: ignore[attr-defined]
-        largest = self._run_plan.largest_k()
         if (largest is None or largest > 1) and (
             is_overridden("optimizer_step", pl_module) or is_overridden("optimizer_zero_grad", pl_module)
         ):
@@ -415,8 +432,17 @@ class GradientAccumulationCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._run_plan is not None
-        if self._run_plan.target_batch_size is not None and self._run_plan.target_k is None:
+        if self._run_plan.target_batch_size is not None:
+            # again: the micro-batch size may have changed since `setup` (e.g. `BatchSizeFinder`)
+            resolved_in_setup = self._run_plan.target_k
             self._resolve_target(trainer)
+            if resolved_in_setup not in (None, self._run_plan.target_k):
+                rank_zero_warn(
+                    f"The micro-batch size changed after `setup` (e.g. `BatchSizeFinder`): K is now"
+                    f" {self._run_plan.target_k} for `target_batch_size={self.plan.target_batch_size}`;"
+                    " `trainer.estimated_stepping_batches` read in `configure_optimizers` used"
+                    f" K={resolved_in_setup}."
+                )
         self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
         self._check_optimizers(trainer)
         self._build_accumulator(trainer, pl_module)
@@ -532,12 +558,14 @@ class GradientAccumulationCallback(Callback):
         if signature != self._signature:  # e.g. BaseFinetuning added a parameter group
             accumulator.track(_optimized_parameters(trainer, pl_module))
             self._signature = signature
-        if (
-            accumulator.current_step
-            and batch_idx % trainer.accumulate_grad_batches == 0
-            and not trainer.fit_loop._skip_backward
-        ):
-            self._discard_window(trainer, f"Lightning starts a new window at batch {batch_idx}")
+        lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
+        if not trainer.fit_loop._skip_backward:
+            if accumulator.current_step and lightning_zeroes:
+                self._discard_window(trainer, f"Lightning starts a new window at batch {batch_idx}")
+            elif not accumulator.current_step and not lightning_zeroes:
+                # A window opening where Lightning does not zero the gradients (the batch before was None
+                # from the dataloader, which skips every hook): it must not start from the last one's.
+                accumulator.reset(set_grads_to_none=True)
         self._pending_error = None
         self._pending_items = None
         if self.item_count_fn is not None:
@@ -647,7 +675,7 @@ class GradientAccumulationCallback(Callback):
         self._finalized_in_batch = self._stepped = True
         if steps_itself:
             assert self._scaler is not None
-            if stepped and trainer.gradient_clip_val:  # Lightning's clipping, before the step it would miss
+            if stepped:  # Lightning's clipping (and the module's hook), before the step it would miss
                 trainer.precision_plugin._clip_gradients(
                     pl_module, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
                 )
@@ -660,11 +688,19 @@ class GradientAccumulationCallback(Callback):
             if skipped > self._skipped_seen:
                 self._warn_skip(trainer, skipped)
             self._skipped_seen = skipped
-        # Lightning clips after this hook: clipping by value crashes on a list with no gradient at all, and
-        # a window the callback stepped itself was clipped before its step.
-        if trainer.gradient_clip_val:
-            self._stashed_clip_val = trainer.gradient_clip_val
-            trainer.gradient_clip_val = None
+        # Lightning clips after this hook (`gradient_clip_val`, or `configure_gradient_clipping`): by value
+        # it crashes on a list with no gradient at all, and a window the callback stepped itself
+        # was clipped before its step. Both go through the precision plugin, paused until the batch ends.
+        self._pause_clipping(trainer)
+
+    def _pause_clipping(self, trainer: pl.Trainer) -> None:
+        plugin = trainer.precision_plugin
+
+        def no_clipping(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        plugin.clip_gradients = no_clipping  # type: ignore[method-assign]  # an instance attribute
+        self._clipping_paused = plugin
 
     def _warn_skip(self, trainer: pl.Trainer, skipped: int) -> None:
         if skipped >= 2 * self._skips_warned or skipped == 1:  # 1, 2, 4, 8, ...: rate-limited
@@ -681,7 +717,7 @@ class GradientAccumulationCallback(Callback):
     ) -> None:
         if not self._stepped:
             return
-        self._restore_clip_val(trainer)
+        self._resume_clipping()
         if self.log_stats and trainer.loggers and trainer._logger_connector.should_update_logs:
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1)
 
@@ -694,16 +730,16 @@ class GradientAccumulationCallback(Callback):
         logged["grad_accum/window_loss"] = self._accumulator.window_loss
         return logged
 
-    def _restore_clip_val(self, trainer: pl.Trainer) -> None:
-        if self._stashed_clip_val is not None:
-            trainer.gradient_clip_val = self._stashed_clip_val
-            self._stashed_clip_val = None
+    def _resume_clipping(self) -> None:
+        if self._clipping_paused is not None:
+            del self._clipping_paused.clip_gradients  # the class's method again
+            self._clipping_paused = None
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._restore_clip_val(trainer)
+        self._resume_clipping()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -735,6 +771,8 @@ class GradientAccumulationCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._stage not in (None, "fit"):  # validate/test/predict(ckpt_path=...) never train: keep nothing
+            return
         if state_dict.get("version") not in (1, _STATE_VERSION):
             raise ValueError(
                 f"Cannot load `GradientAccumulationCallback` state of version {state_dict.get('version')!r};"

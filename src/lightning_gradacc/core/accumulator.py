@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 
 from ..stats import AccumulationStats
 from .buffers import GradBuffers
@@ -719,7 +720,9 @@ class GradAccumulator:
             max_grad_norm_seen=ledger["max_grad_norm_seen"],
             items_last_step=ledger["items_last_step"],
             micro_batches_last_step=self._micro_batches_last_step,
-            num_parameters=sum(param.numel() for _, param in self._named if param.requires_grad),
+            num_parameters=sum(
+                param.numel() for _, param in self._named if param.requires_grad and not is_lazy(param)
+            ),
             buffer_bytes=self._buffers.nbytes if self._buffers is not None else 0,
             peak_memory_bytes=self._peak_memory_bytes,
         )
