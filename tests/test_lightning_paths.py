@@ -144,6 +144,47 @@ def test_parameters_outside_the_optimizer_change_neither_norm_nor_skip(poison: b
     assert callback.stats.skipped_steps == 0
 
 
+class AddsAGroupInTrainingStep(h.RegressionModule):
+    """`net.0` is frozen and in no optimizer until `training_step` of batch `at` adds it as a group."""
+
+    def __init__(self, at: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.at = at
+        self.net[0].requires_grad_(False)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net[2].parameters(), lr=self.lr)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if batch_idx == self.at:
+            self.net[0].requires_grad_(True)
+            self.trainer.optimizers[0].add_param_group({"params": list(self.net[0].parameters())})
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("accumulation_dtype", [None, "float64"])
+def test_a_group_added_in_the_last_micro_batch_of_a_window_is_in_that_step(
+    accumulation_dtype: str | None,
+) -> None:
+    module = AddsAGroupInTrainingStep(7, data=h.regression_data(40))  # batch 7 ends window 1
+    fit(module, GradientAccumulationCallback(4, max_grad_norm=0.3, accumulation_dtype=accumulation_dtype))
+    # the plain loop: net.0 joins the optimizer (and starts receiving gradients) at micro-batch 7
+    net, (x, y) = h.regression_net(), h.regression_data(40).tensors
+    net[0].requires_grad_(False)
+    optimizer = torch.optim.SGD(net[2].parameters(), lr=0.1)
+    for window in h.windows(10, 4):
+        optimizer.zero_grad()
+        for b in window:
+            if b == 7:
+                net[0].requires_grad_(True)
+                optimizer.add_param_group({"params": list(net[0].parameters())})
+            (h.mse(net, x[4 * b : 4 * b + 4], y[4 * b : 4 * b + 4]) / len(window)).backward()
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(stepped, 0.3)
+        optimizer.step()
+    assert h.max_abs_diff(module.net, net) < 1e-6
+
+
 # --------------------------------------------------------------------- 2. windows never merge
 
 
@@ -232,6 +273,17 @@ def reference_grad_norms(window_list: list[list[int]]) -> list[float]:
         norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in net.parameters()]))))
         optimizer.step()
     return norms
+
+
+class PutsItselfFirst(GradNormProbe):
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        trainer.callbacks = [self, *(c for c in trainer.callbacks if c is not self)]
+
+
+def test_a_callback_that_moves_itself_first_in_setup_still_sees_the_final_gradient() -> None:
+    probe = PutsItselfFirst()
+    fit(h.RegressionModule(h.regression_data(40)), GradientAccumulationCallback(4), probe)
+    assert probe.norms == pytest.approx(reference_grad_norms(h.windows(10, 4)), rel=1e-5)
 
 
 def test_every_callback_and_the_module_see_the_final_gradient_whatever_the_order() -> None:
@@ -325,10 +377,13 @@ def amp_plugin() -> MixedPrecision:
     return MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))
 
 
-def test_none_at_the_end_of_a_window_under_a_grad_scaler_still_steps_the_window() -> None:
+@pytest.mark.parametrize("accumulation_dtype", [None, "float64"])
+def test_none_at_the_end_of_a_window_under_a_grad_scaler_still_steps_the_window(
+    accumulation_dtype: str | None,
+) -> None:
     """Lightning neither unscales nor steps then: the window's 3 micro-batches would be lost."""
     module = SkipsBatches({3}, data=h.regression_data(40))
-    callback = GradientAccumulationCallback(4)
+    callback = GradientAccumulationCallback(4, accumulation_dtype=accumulation_dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "`training_step` returned `None`")
         fit(module, callback, plugins=[amp_plugin()])
@@ -476,6 +531,31 @@ class OneCycleModule(h.RegressionModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class TinyFirstCount:
+    """1 item in the very first micro-batch, 262,144 in every other one (equal in the big batch's rows)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, batch: Any) -> float:
+        self.calls += 1
+        return 1.0 if self.calls == 1 else 262_144.0
+
+
+def test_weighted_reference_count_follows_the_counts_from_window_to_window() -> None:
+    """Relative to the first count, every weight would be 262,144 and overflow fp16 in every window (3 of 3
+    skipped with a fixed reference); the reference follows each window's mean, so only the first overflows."""
+    data = h.regression_data(40)
+    module = h.RegressionModule(data, lr=0.05)
+    callback = GradientAccumulationCallback(4, scaling="weighted", item_count_fn=TinyFirstCount())
+    fit(module, callback, precision="16-true")
+    assert callback.stats.skipped_steps == 1
+    start = h.regression_net().half().float()
+    # windows 1 and 2 hold equal counts: their weighted mean is the plain mean of their rows
+    expected = h.big_batch_reference(start, data, BATCH, h.windows(10, 4), h.mse, lr=0.05, skip_windows=[0])
+    assert h.max_abs_diff(module.net.float(), expected) < 2e-3
+
+
 def test_onecycle_with_a_decreasing_schedule_gets_the_exact_step_count() -> None:
     module = OneCycleModule(True, data=h.regression_data(40))
     trainer = fit(module, GradientAccumulationCallback({0: 4, 2: 1}), max_epochs=3)
@@ -611,6 +691,8 @@ def test_training_step_with_dataloader_iter_is_refused_when_accumulating() -> No
     """Lightning zeroes gradients there with a stale batch index: the first micro-batch would be lost."""
     with pytest.raises(RuntimeError, match=r"`training_step\(self, dataloader_iter\)` cannot accumulate"):
         fit(IteratesItself(h.regression_data(40)), GradientAccumulationCallback(4))
+    with pytest.raises(RuntimeError, match=r"K=3 adopted from `Trainer\(accumulate_grad_batches=3\)`"):
+        fit(IteratesItself(h.regression_data(40)), GradientAccumulationCallback(), accumulate_grad_batches=3)
     module = IteratesItself(h.regression_data(40))
     fit(module, GradientAccumulationCallback(1))
     assert h.max_abs_diff(module.net, reference(h.windows(10, 1))) < 1e-6

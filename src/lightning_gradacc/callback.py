@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback, GradientAccumulationScheduler
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 from pytorch_lightning.utilities import rank_zero_warn
@@ -137,12 +136,6 @@ def _param_groups_signature(trainer: pl.Trainer) -> tuple[tuple[int, int], ...]:
     )
 
 
-def _all_reduce_sum(tensor: Tensor) -> Tensor:
-    # A plain all-reduce: Lightning's `strategy.reduce` puts a host-blocking barrier before every one.
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
 def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
     """The exact number of optimizer steps of ``trainer``'s fit, for step-interval LR schedulers.
 
@@ -167,7 +160,9 @@ class GradientAccumulationCallback(Callback):
     once, and logs what happened in each window under ``grad_accum/``.
 
     It puts itself first among the Trainer's callbacks, so that every other callback and the
-    LightningModule see the final gradient in ``on_before_optimizer_step``.
+    LightningModule see the final gradient in ``on_before_optimizer_step``. (One exception: under a
+    GradScaler, when the batch that ends a window returns ``None``, Lightning takes no step and the callback
+    steps the window itself in that hook, so later hooks run after the step.)
 
     Args:
         accumulation_steps: K; or ``{epoch: K}`` (as Lightning's ``GradientAccumulationScheduler``);
@@ -270,6 +265,7 @@ class GradientAccumulationCallback(Callback):
         self._finalized_in_batch = False  # the window was finalized in this batch (LBFGS re-evaluates)
         self._stepped = False
         self._clipping_paused: Any = None  # the precision plugin whose clipping is paused for this step
+        self._own_clip_gradients: Any = None  # an instance attribute `clip_gradients` it had before
         self._skips_warned = 0
         self._skipped_seen = 0
         self._warned_no_items = False
@@ -340,9 +336,7 @@ class GradientAccumulationCallback(Callback):
         if self.plan.target_batch_size is not None:
             self._resolve_target_early(trainer)
         self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
-        # First in every hook: other callbacks and the module then see the final gradient whatever the order.
-        if trainer.callbacks and trainer.callbacks[0] is not self:  # type: ignore[attr-defined]
-            trainer.callbacks = [self, *(c for c in trainer.callbacks if c is not self)]  # type: ignore[attr-defined]
+        self._go_first(trainer)
         if (largest is None or largest > 1) and (
             is_overridden("optimizer_step", pl_module) or is_overridden("optimizer_zero_grad", pl_module)
         ):
@@ -378,6 +372,9 @@ class GradientAccumulationCallback(Callback):
     def _describe_plan(self) -> str:
         if self.plan.target_batch_size is not None:
             return f"target_batch_size={self.plan.target_batch_size}"
+        if not self.plan.configured and self._run_plan is not None:
+            k = self._run_plan.fixed
+            return f"K={k} adopted from `Trainer(accumulate_grad_batches={k})`"
         return f"accumulation_steps={self.plan.schedule or self.plan.fixed}"
 
     def _check_compatibility(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -446,6 +443,13 @@ class GradientAccumulationCallback(Callback):
         self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
         self._check_optimizers(trainer)
         self._build_accumulator(trainer, pl_module)
+        self._go_first(trainer)  # again: another callback may have moved itself in its own `setup`
+
+    def _go_first(self, trainer: pl.Trainer) -> None:
+        """Go first in every hook: the other callbacks and the module then see the final gradient."""
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        if callbacks and callbacks[0] is not self:  # a new list: Lightning may be iterating over the old one
+            trainer.callbacks = [self, *(c for c in callbacks if c is not self)]  # type: ignore[attr-defined]
 
     def _check_optimizers(self, trainer: pl.Trainer) -> None:
         assert self._run_plan is not None
@@ -497,11 +501,10 @@ class GradientAccumulationCallback(Callback):
         k = trainer.accumulate_grad_batches
         world_size = trainer.world_size
         previous = self._accumulator
-        accumulator = GradAccumulator(
-            _optimized_parameters(trainer, pl_module),
+        accumulator = GradAccumulator(  # all-reduces on the default group, as Lightning's DDP does, but
+            _optimized_parameters(trainer, pl_module),  # without `strategy.reduce`'s barrier before each
             k,
             world_size=world_size,
-            all_reduce=_all_reduce_sum if world_size > 1 else None,
             **vars(self.settings),
         )
         self._signature = _param_groups_signature(trainer)
@@ -522,7 +525,9 @@ class GradientAccumulationCallback(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._accumulator is not None and self._accumulator.current_step:
-            self._discard_window(trainer, "the previous epoch ended inside it")
+            self._discard_window(
+                trainer, "the previous epoch ended inside it, e.g. `on_train_batch_start` returned -1"
+            )
         assert self._run_plan is not None
         self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
 
@@ -535,13 +540,24 @@ class GradientAccumulationCallback(Callback):
         if self._accumulator is not None:
             self._accumulator.accumulation_steps = k  # raises if a window were open
 
+    def _follow_param_groups(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Track a parameter group added (or changed) since the last look, e.g. by ``BaseFinetuning``.
+
+        Looked at after every backward and before every step: the module may add one in any hook.
+        """
+        signature = _param_groups_signature(trainer)
+        if signature != self._signature:
+            assert self._accumulator is not None
+            self._accumulator.track(_optimized_parameters(trainer, pl_module))
+            self._signature = signature
+
     def _discard_window(self, trainer: pl.Trainer, why: str) -> None:
         """Drop an open window that can no longer end in a step: windows never merge."""
         assert self._accumulator is not None
         rank_zero_warn(
             f"A window of {self._accumulator.current_step} micro-batch(es) never reached its optimizer step"
-            f" ({why}, e.g. `on_train_batch_start` returned -1); its gradients are discarded so that it does"
-            f" not leak into the next window (global step {trainer.global_step})."
+            f" ({why}); its gradients are discarded so that it does not leak into the next window (global"
+            f" step {trainer.global_step})."
         )
         self._accumulator.reset(set_grads_to_none=True)
 
@@ -554,10 +570,6 @@ class GradientAccumulationCallback(Callback):
         accumulator = self._accumulator
         assert accumulator is not None
         self._stepped = self._backward_in_batch = self._finalized_in_batch = False
-        signature = _param_groups_signature(trainer)
-        if signature != self._signature:  # e.g. BaseFinetuning added a parameter group
-            accumulator.track(_optimized_parameters(trainer, pl_module))
-            self._signature = signature
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
         if not trainer.fit_loop._skip_backward:
             if accumulator.current_step and lightning_zeroes:
@@ -629,6 +641,7 @@ class GradientAccumulationCallback(Callback):
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._accumulator is not None
+        self._follow_param_groups(trainer, pl_module)
         grad_scale: float | Tensor = 1.0
         if (
             self.settings.clip_mode == "micro_batch"
@@ -653,6 +666,7 @@ class GradientAccumulationCallback(Callback):
     ) -> None:
         accumulator = self._accumulator
         assert accumulator is not None
+        self._follow_param_groups(trainer, pl_module)
         # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned
         # None: the window's earlier micro-batches would be dropped. The callback steps it itself.
         steps_itself = (
@@ -663,6 +677,7 @@ class GradientAccumulationCallback(Callback):
         )
         if steps_itself:
             assert self._scaler is not None
+            accumulator.flush_to_grad()  # the scaler unscales and checks `.grad`
             self._scaler.unscale_(optimizer)
         k = trainer.accumulate_grad_batches
         scale = self._amp_scale()
@@ -699,6 +714,9 @@ class GradientAccumulationCallback(Callback):
         def no_clipping(*args: Any, **kwargs: Any) -> None:
             return None
 
+        if self._clipping_paused is plugin:
+            return
+        self._own_clip_gradients = plugin.__dict__.get("clip_gradients")
         plugin.clip_gradients = no_clipping  # type: ignore[method-assign]  # an instance attribute
         self._clipping_paused = plugin
 
@@ -731,9 +749,14 @@ class GradientAccumulationCallback(Callback):
         return logged
 
     def _resume_clipping(self) -> None:
-        if self._clipping_paused is not None:
-            del self._clipping_paused.clip_gradients  # the class's method again
-            self._clipping_paused = None
+        plugin, self._clipping_paused = self._clipping_paused, None
+        if plugin is None:
+            return
+        if self._own_clip_gradients is not None:
+            plugin.clip_gradients = self._own_clip_gradients
+            self._own_clip_gradients = None
+        else:
+            del plugin.clip_gradients  # the class's method again
 
     @override
     def on_exception(

@@ -192,8 +192,9 @@ class GradAccumulator:
         self._tally = WindowTally(self.device, self._ledger_dtype)
         self._memory = WindowPeakMemory(self.device)
         # The reference count of scaling="weighted": losses are weighted by items / reference, so that their
-        # gradients keep the magnitude of a mean's (raw counts overflow fp16). Fixed at the first micro-batch,
-        # the same on every rank.
+        # gradients keep the magnitude of a mean's (raw counts overflow fp16). The first micro-batch's count
+        # (its mean over ranks) for the first window, then the mean count per micro-batch of the window
+        # before; constant inside a window and the same on every rank.
         self._reference_count: float | Tensor | None = None
         # Lifetime counters kept on the host (they never depend on tensor values).
         self._optimizer_steps = 0
@@ -293,7 +294,12 @@ class GradAccumulator:
 
         Never raises for a bad count and never syncs: an invalid count (negative, not finite, not a number,
         missing under ``"weighted"``) gets weight 0 and is raised by :meth:`finalize`, after the window's
-        counts were summed over ranks, so that every rank raises together.
+        counts were summed over ranks, so that every rank raises together. Under data parallelism the first
+        call for ``"weighted"`` all-reduces the count once (every rank must make it, as Lightning does).
+
+        A micro-batch with 0 items contributes nothing as long as its loss has a finite gradient:
+        ``cross_entropy(..., ignore_index=-100)`` over only ignored labels gives zeros, but a hand-written
+        masked mean must divide by ``mask.sum().clamp(min=1)``, or its ``nan`` makes the window non-finite.
 
         Args:
             items: Samples or tokens in the micro-batch: a number >= 0 or a real scalar tensor; ``None``
@@ -340,7 +346,7 @@ class GradAccumulator:
         return ItemCount(value, weight, problem, check)
 
     def _reference(self, first: float | Tensor) -> float | Tensor:
-        """The reference count of ``"weighted"``: the first count (mean over ranks), at least 1."""
+        """The reference count of ``"weighted"`` for the open window (at least 1)."""
         if self._reference_count is None:
             world_size, all_reduce = self._world()
             if world_size > 1 and all_reduce is not None:  # one small collective, once
@@ -355,9 +361,10 @@ class GradAccumulator:
     def loss_weight(self, items: Any) -> float | Tensor:
         """The factor a micro-batch's loss must be multiplied by before ``backward`` (1 unless weighted).
 
-        For ``scaling="weighted"`` it is ``items / reference``, the reference being the first micro-batch's
-        count: the loss is a mean over its items, so the weighted sum over micro-batches, divided by the
-        sum of the weights at the boundary, is the mean over every item of the window. See :meth:`weigh`.
+        For ``scaling="weighted"`` it is ``items / reference``, the reference being a typical count (the first
+        micro-batch's in the first window, then the mean of the window before): the loss is a mean over its
+        items, so the weighted sum over micro-batches, divided by the sum of the weights at the boundary, is
+        the mean over every item of the window. See :meth:`weigh`.
 
         Example:
             >>> GradAccumulator([torch.zeros(1, requires_grad=True)], scaling="weighted").loss_weight(7)
@@ -384,11 +391,12 @@ class GradAccumulator:
         """Count a micro-batch whose gradient has been added to ``.grad`` (and move it to the buffers).
 
         The backward pass must have used ``loss * loss_weight(items)``. Never syncs with the device, never
-        raises for a bad item count (see :meth:`weigh`).
+        raises for a bad item count: :meth:`finalize` does (see :meth:`weigh`).
 
         Args:
             items: The micro-batch's :class:`ItemCount` from :meth:`weigh`, or its raw item count (a number
-                or a scalar tensor). Required for ``"weighted"``; elsewhere only used for statistics.
+                or a scalar tensor). Required for ``"weighted"``; elsewhere used for statistics (an invalid
+                count is an error there too).
             loss: The micro-batch's unweighted loss, for ``window_loss`` in the statistics (in any units
                 that :meth:`finalize`'s ``loss_scale`` turns into the loss; it is only kept, not copied).
             grad_scale: The factor the loss was multiplied by besides :meth:`loss_weight` (Lightning's
@@ -523,6 +531,7 @@ class GradAccumulator:
 
         totals = self._window_totals(world_size, all_reduce)
         factor = self._normalization(totals.weights, grad_scale, world_size)
+        self._rebase_reference(totals.items, world_size)
         raw_norm = total_norm(grads, self.settings.norm_type, device=self.device, foreach=self.foreach)
         norm = raw_norm.to(self._ledger_dtype) * factor
         finite = torch.isfinite(norm)
@@ -602,6 +611,21 @@ class GradAccumulator:
             return True
         finally:
             self._open_window()
+
+    def _rebase_reference(self, items: Tensor | float, world_size: int) -> None:
+        """Set the next window's reference to this window's mean count per micro-batch and rank.
+
+        No collective: ``items`` is already summed over ranks. A window without items keeps the reference.
+        """
+        if self.settings.scaling != "weighted" or self._reference_count is None:
+            return
+        mean = items / (self._micro_batches * world_size)
+        if isinstance(mean, Tensor):
+            self._reference_count = torch.where(
+                mean > 0, mean.clamp(min=1.0), self._scalar(self._reference_count)
+            )
+        elif mean > 0:
+            self._reference_count = max(mean, 1.0)
 
     def _close_empty(self, reevaluation: bool) -> bool:
         """Close a window in which no micro-batch was recorded: no step (counted in ``empty_windows``)."""
