@@ -314,8 +314,10 @@ class GradAccumulator:
             >>> accumulator.weigh(8).weight, accumulator.weigh(4).weight  # relative to the first count
             (1.0, 0.5)
         """
-        label = label or f"the item count of micro-batch {self._micro_batches} of the window"
         weighted = self.settings.scaling == "weighted"
+        if type(items) is int and items >= 0 and error is None and not weighted:  # the common case, quickly
+            return ItemCount(float(items), 1.0)
+        label = label or f"the item count of micro-batch {self._micro_batches} of the window"
         value: float | Tensor | None = None
         problem = error
         check: InvalidCount | None = None
