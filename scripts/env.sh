@@ -18,6 +18,6 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "[env] installing dependencies"
     python -m pip install --quiet --upgrade pip
     python -m pip install --quiet "torch==2.13.0"
-    python -m pip install --quiet -e "$ROOT[dev]"
+    python -m pip install --quiet -e "$ROOT[dev,lightning]"  # both Lightning namespaces: tests run both
     echo "$WANT" > "$STAMP"
 fi

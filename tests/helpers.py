@@ -9,6 +9,7 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import lightning.pytorch as L
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
@@ -17,8 +18,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 IGNORE_INDEX = -100
 
 
-def trainer(**overrides: Any) -> pl.Trainer:
-    """A quiet CPU Trainer for tests."""
+NAMESPACES = ("pytorch_lightning", "lightning.pytorch")
+PACKAGES: dict[str, Any] = {"pytorch_lightning": pl, "lightning.pytorch": L}
+
+
+def trainer(namespace: str = "pytorch_lightning", **overrides: Any) -> pl.Trainer:
+    """A quiet CPU Trainer for tests, of either Lightning namespace."""
     options: dict[str, Any] = dict(
         accelerator="cpu",
         devices=1,
@@ -31,7 +36,17 @@ def trainer(**overrides: Any) -> pl.Trainer:
         deterministic=True,
     )
     options.update(overrides)
-    return pl.Trainer(**options)
+    trainer_class: Any = PACKAGES[namespace].Trainer
+    return trainer_class(**options)  # type: ignore[no-any-return]
+
+
+def accumulation_callback(namespace: str = "pytorch_lightning", *args: Any, **kwargs: Any) -> Any:
+    """``GradientAccumulationCallback`` of ``namespace``."""
+    if namespace == "lightning.pytorch":
+        from lightning_gradacc.lightning import GradientAccumulationCallback
+    else:
+        from lightning_gradacc import GradientAccumulationCallback
+    return GradientAccumulationCallback(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------- regression model
@@ -51,8 +66,11 @@ def regression_net(features: int = 5, seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(features, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-class RegressionModule(pl.LightningModule):
-    """MSE regression; ``nan_at`` makes the loss of chosen global micro-batch indices non-finite."""
+class _Regression:
+    """MSE regression; ``nan_at`` makes the loss of chosen global micro-batch indices non-finite.
+
+    The body of ``RegressionModule`` (``pytorch_lightning``) and ``LitRegressionModule`` (``lightning``).
+    """
 
     def __init__(
         self,
@@ -95,6 +113,20 @@ class RegressionModule(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         return ordered_loader(self, self.data, self.batch_size, resumable=self.resumable)
+
+
+class RegressionModule(_Regression, pl.LightningModule):
+    pass
+
+
+class LitRegressionModule(_Regression, L.LightningModule):
+    pass
+
+
+REGRESSION_MODULES: dict[str, Any] = {
+    "pytorch_lightning": RegressionModule,
+    "lightning.pytorch": LitRegressionModule,
+}
 
 
 class ResumableLoader(DataLoader):  # type: ignore[type-arg]
@@ -183,7 +215,7 @@ def token_loss(net: nn.Module, inputs: Tensor, labels: Tensor) -> Tensor:
     )
 
 
-class TokenModule(pl.LightningModule):
+class _Token:
     def __init__(self, data: Dataset[Any] | None = None, batch_size: int = 2, lr: float = 0.5) -> None:
         super().__init__()
         self.net = token_net()
@@ -199,6 +231,17 @@ class TokenModule(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         return ordered_loader(self, self.data, self.batch_size)
+
+
+class TokenModule(_Token, pl.LightningModule):
+    pass
+
+
+class LitTokenModule(_Token, L.LightningModule):
+    pass
+
+
+TOKEN_MODULES: dict[str, Any] = {"pytorch_lightning": TokenModule, "lightning.pytorch": LitTokenModule}
 
 
 # -------------------------------------------------------------------------------- plain references
@@ -263,7 +306,7 @@ def mse(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return nn.functional.mse_loss(net(x), y)
 
 
-class MetricsRecorder(pl.loggers.Logger):
+class _Recorder:
     """An in-memory logger: every ``log_metrics`` call as ``(step, metrics)``."""
 
     def __init__(self) -> None:
@@ -288,7 +331,18 @@ class MetricsRecorder(pl.loggers.Logger):
         return [(step, metrics[key]) for step, metrics in self.records if key in metrics]
 
 
-def series_steps(recorder: MetricsRecorder, key: str) -> list[int]:
+class MetricsRecorder(_Recorder, pl.loggers.Logger):
+    pass
+
+
+class LitMetricsRecorder(_Recorder, L.loggers.Logger):
+    pass
+
+
+RECORDERS: dict[str, Any] = {"pytorch_lightning": MetricsRecorder, "lightning.pytorch": LitMetricsRecorder}
+
+
+def series_steps(recorder: _Recorder, key: str) -> list[int]:
     return [step for step, _ in recorder.series(key)]
 
 

@@ -2,6 +2,11 @@
 
 It decides *when* (which hook, which micro-batch, which rank); the core computes *what*. See
 ``ARCHITECTURE.md`` section 3 for the Lightning internals relied on here.
+
+The logic (:class:`GradientAccumulationLogic`) depends on neither Lightning namespace: it takes the classes
+it checks against from the Trainer's own namespace (:mod:`lightning_gradacc.namespaces`). This module's
+``GradientAccumulationCallback`` is the ``pytorch_lightning`` callback; ``lightning_gradacc.lightning``
+has the one for ``lightning.pytorch``.
 """
 
 from __future__ import annotations
@@ -9,24 +14,26 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback, GradientAccumulationScheduler
-from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
-from pytorch_lightning.utilities import rank_zero_warn
-from pytorch_lightning.utilities.data import extract_batch_size
-from pytorch_lightning.utilities.model_helpers import is_overridden
-from pytorch_lightning.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 from typing_extensions import override
 
 from .core import GradAccumulator
 from .core.accumulator import ItemCount
 from .core.validation import AccumulationSettings
+from .namespaces import CALLBACK_IMPORTS, PYTORCH_LIGHTNING, LightningNamespace, namespace, namespace_of
 from .schedule import AccumulationPlan
 from .stats import AccumulationStats
+
+# Type-checked against pytorch_lightning's Callback (both namespaces have the same hooks); a plain mixin at
+# run time, so that each namespace's callback class can put its own Callback beside it.
+if TYPE_CHECKING:
+    from pytorch_lightning import Callback as _LogicBase
+else:
+    _LogicBase = object
 
 _STATE_VERSION = 2  # 2: adds the open window; 1 (counters only) still loads
 # Logged tag (under "grad_accum/") of each statistic; per-step quantities read better without "last".
@@ -50,7 +57,7 @@ LOGGED_NAMES = {
 ItemCountFn = Callable[[Any], Any]
 
 
-def _inferred_batch_size(batch: Any) -> int:
+def _inferred_batch_size(batch: Any, extract_batch_size: Callable[[Any], int]) -> int:
     """The batch size Lightning infers: the length of the first tensor.
 
     A fast path covers ``(inputs, targets)``, tensor and dict batches; Lightning's general walk (the fallback)
@@ -145,12 +152,12 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
     ``OneCycleLR(optimizer, max_lr=0.1, total_steps=estimated_stepping_batches(self.trainer))``.
     """
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, GradientAccumulationCallback):
+        if isinstance(callback, GradientAccumulationLogic):
             return callback.estimated_stepping_batches(trainer)
     return trainer.estimated_stepping_batches
 
 
-class GradientAccumulationCallback(Callback):
+class GradientAccumulationLogic(_LogicBase):
     """Exact, observable gradient accumulation for automatic optimization.
 
     It owns ``Trainer.accumulate_grad_batches`` and fixes what the built-in gets wrong: the last, partial
@@ -204,6 +211,9 @@ class GradientAccumulationCallback(Callback):
         >>> callback.stats.accumulation_steps
         4
     """
+
+    # The Lightning namespace whose Trainer this callback plugs into (set by each concrete class).
+    namespace: ClassVar[str] = PYTORCH_LIGHTNING
 
     def __init__(
         self,
@@ -305,8 +315,13 @@ class GradientAccumulationCallback(Callback):
 
     # ------------------------------------------------------------------------------------- set-up
 
+    @property
+    def _api(self) -> LightningNamespace:
+        return namespace(self.namespace)
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._check_namespace(trainer)
         self._stage = stage
         if stage != "fit":
             return
@@ -324,7 +339,7 @@ class GradientAccumulationCallback(Callback):
             )
         self._run_plan = self.plan.for_run(trainer_k)
         largest = self._run_plan.largest_k()
-        if (largest is None or largest > 1) and is_param_in_hook_signature(
+        if (largest is None or largest > 1) and self._api.is_param_in_hook_signature(
             pl_module.training_step, "dataloader_iter", explicit=True
         ):
             raise RuntimeError(
@@ -338,9 +353,10 @@ class GradientAccumulationCallback(Callback):
         self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
         self._go_first(trainer)
         if (largest is None or largest > 1) and (
-            is_overridden("optimizer_step", pl_module) or is_overridden("optimizer_zero_grad", pl_module)
+            self._api.is_overridden("optimizer_step", pl_module)
+            or self._api.is_overridden("optimizer_zero_grad", pl_module)
         ):
-            rank_zero_warn(
+            self._api.rank_zero_warn(
                 "You override `LightningModule.optimizer_step` or `optimizer_zero_grad` and accumulate"
                 " gradients: these hooks are called once per optimizer step, not on every batch. The"
                 " callback normalizes the gradient in `on_before_optimizer_step`, which"
@@ -350,7 +366,7 @@ class GradientAccumulationCallback(Callback):
         if trainer.gradient_clip_val and (
             self.settings.max_grad_norm is not None or self.settings.clip_value is not None
         ):
-            rank_zero_warn(
+            self._api.rank_zero_warn(
                 f"Both `Trainer(gradient_clip_val={trainer.gradient_clip_val})` and the callback's clipping"
                 f" (max_grad_norm={self.settings.max_grad_norm}, clip_value={self.settings.clip_value}) are"
                 " set: the gradient is clipped twice. Remove `gradient_clip_val` from the Trainer."
@@ -363,7 +379,7 @@ class GradientAccumulationCallback(Callback):
                 " the window) or bf16."
             )
         if self._scaler is not None and self.settings.overflow != "skip":
-            rank_zero_warn(
+            self._api.rank_zero_warn(
                 f"`overflow={self.settings.overflow!r}` cannot take effect under a GradScaler"
                 " (`precision='16-mixed'`): the scaler skips steps with non-finite gradients and lowers its"
                 " scale; those overflows are counted in `overflow_count` and `skipped_steps`."
@@ -376,6 +392,15 @@ class GradientAccumulationCallback(Callback):
             k = self._run_plan.fixed
             return f"K={k} adopted from `Trainer(accumulate_grad_batches={k})`"
         return f"accumulation_steps={self.plan.schedule or self.plan.fixed}"
+
+    def _check_namespace(self, trainer: pl.Trainer) -> None:
+        trainer_namespace = namespace_of(trainer)
+        if trainer_namespace is not None and trainer_namespace != self.namespace:
+            raise RuntimeError(
+                f"This `GradientAccumulationCallback` is for `{self.namespace}`, but the Trainer is a"
+                f" `{trainer_namespace}` Trainer: the two are separate class trees, so Lightning would run"
+                f" the callback without treating it as one. Use `{CALLBACK_IMPORTS[trainer_namespace]}`."
+            )
 
     def _check_compatibility(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
@@ -391,22 +416,22 @@ class GradientAccumulationCallback(Callback):
                 " `gradient_accumulation_steps`). Remove `GradientAccumulationCallback` and configure"
                 " accumulation there."
             )
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        if not isinstance(strategy, (self._api.single_device_strategy, self._api.ddp_strategy)):
             raise RuntimeError(
                 f"`GradientAccumulationCallback` supports single-device and DDP strategies, but the Trainer"
                 f" uses `{type(strategy).__name__}`, whose sharded gradients would give wrong norms and"
                 " scaling. Use `strategy='ddp'` or remove the callback."
             )
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, GradientAccumulationScheduler) or (
-                type(callback).__name__ == "GradientAccumulationScheduler"
+            if isinstance(callback, self._api.gradient_accumulation_scheduler) or (
+                type(callback).__name__ == "GradientAccumulationScheduler"  # e.g. of the other namespace
             ):
                 raise RuntimeError(
                     "You are using Lightning's `GradientAccumulationScheduler` and"
                     " `GradientAccumulationCallback`. Remove the scheduler and pass its schedule as"
                     " `GradientAccumulationCallback(accumulation_steps={epoch: K})`."
                 )
-            if isinstance(callback, GradientAccumulationCallback) and callback is not self:
+            if isinstance(callback, GradientAccumulationLogic) and callback is not self:
                 raise RuntimeError(
                     "Two `GradientAccumulationCallback` instances were passed to the Trainer. Keep one."
                 )
@@ -417,7 +442,7 @@ class GradientAccumulationCallback(Callback):
             trainer.fit_loop.setup_data()  # what `trainer.estimated_stepping_batches` does; loaded once
         except Exception as error:  # e.g. data built in LightningModule.setup, which runs after this hook
             trainer.fit_loop._combined_loader = None  # a half-built loader would be kept: load it again later
-            rank_zero_warn(
+            self._api.rank_zero_warn(
                 f"`target_batch_size={self.plan.target_batch_size}` could not read the train dataloader in"
                 f" `setup` ({type(error).__name__}: {error}); K is resolved when training starts instead, so"
                 " `trainer.estimated_stepping_batches` in `configure_optimizers` assumes K=1. Build the data"
@@ -434,7 +459,7 @@ class GradientAccumulationCallback(Callback):
             resolved_in_setup = self._run_plan.target_k
             self._resolve_target(trainer)
             if resolved_in_setup not in (None, self._run_plan.target_k):
-                rank_zero_warn(
+                self._api.rank_zero_warn(
                     f"The micro-batch size changed after `setup` (e.g. `BatchSizeFinder`): K is now"
                     f" {self._run_plan.target_k} for `target_batch_size={self.plan.target_batch_size}`;"
                     " `trainer.estimated_stepping_batches` read in `configure_optimizers` used"
@@ -491,7 +516,7 @@ class GradientAccumulationCallback(Callback):
             )
         k, effective = self._run_plan.resolve_target(batch_size, trainer.world_size)
         if effective != self.plan.target_batch_size:
-            rank_zero_warn(
+            self._api.rank_zero_warn(
                 f"`target_batch_size={self.plan.target_batch_size}` is not a multiple of micro-batch size"
                 f" {batch_size} x {trainer.world_size} rank(s); using K={k}, an effective batch size of"
                 f" {effective}."
@@ -554,7 +579,7 @@ class GradientAccumulationCallback(Callback):
     def _discard_window(self, trainer: pl.Trainer, why: str) -> None:
         """Drop an open window that can no longer end in a step: windows never merge."""
         assert self._accumulator is not None
-        rank_zero_warn(
+        self._api.rank_zero_warn(
             f"A window of {self._accumulator.current_step} micro-batch(es) never reached its optimizer step"
             f" ({why}); its gradients are discarded so that it does not leak into the next window (global"
             f" step {trainer.global_step})."
@@ -595,11 +620,11 @@ class GradientAccumulationCallback(Callback):
                 )
             return
         try:
-            self._pending_items = _inferred_batch_size(batch)
+            self._pending_items = _inferred_batch_size(batch, self._api.extract_batch_size)
         except Exception as error:
             if not self._warned_no_items:
                 self._warned_no_items = True
-                rank_zero_warn(
+                self._api.rank_zero_warn(
                     f"Could not infer the batch size of batch {batch_idx} ({error}); the `items_per_step`"
                     " statistic will not count such batches. Scaling is unaffected."
                 )
@@ -723,7 +748,7 @@ class GradientAccumulationCallback(Callback):
     def _warn_skip(self, trainer: pl.Trainer, skipped: int) -> None:
         if skipped >= 2 * self._skips_warned or skipped == 1:  # 1, 2, 4, 8, ...: rate-limited
             self._skips_warned = max(skipped, 1)
-            rank_zero_warn(
+            self._api.rank_zero_warn(
                 f"Non-finite gradient at global step {trainer.global_step}: the optimizer step was skipped"
                 f" ({skipped} skipped so far). Parameters and optimizer state are unchanged; `global_step`"
                 " and step-interval LR schedulers still advance."
@@ -767,7 +792,7 @@ class GradientAccumulationCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._accumulator is not None and self._accumulator.current_step:
-            rank_zero_warn(
+            self._api.rank_zero_warn(
                 f"Training ended inside a window: {self._accumulator.current_step} micro-batch(es) were"
                 " back-propagated but never stepped; their gradients are discarded."
             )
@@ -815,3 +840,14 @@ class GradientAccumulationCallback(Callback):
         if self._scaler is not None and window.get("amp_scale"):
             rescale *= float(self._scaler.get_scale()) / window["amp_scale"]
         accumulator.load_window_state_dict(window, primary=trainer.global_rank == 0, rescale=rescale)
+
+
+class GradientAccumulationCallback(GradientAccumulationLogic, pl.Callback):
+    """:class:`GradientAccumulationLogic` as a ``pytorch_lightning`` callback (``import pytorch_lightning``).
+
+    For ``lightning.pytorch`` (``import lightning as L``) use
+    ``from lightning_gradacc.lightning import GradientAccumulationCallback``: the same arguments and
+    behaviour.
+    """
+
+    namespace: ClassVar[str] = PYTORCH_LIGHTNING
