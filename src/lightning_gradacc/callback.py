@@ -53,6 +53,10 @@ LOGGED_NAMES = {
     "buffer_bytes": "buffer_bytes",
     "peak_memory_bytes": "peak_memory_bytes",
 }
+SCHEDULER_CONFLICT = (
+    "You are using Lightning's `GradientAccumulationScheduler` and `GradientAccumulationCallback`. Remove the"
+    " scheduler and pass its schedule as `GradientAccumulationCallback(accumulation_steps={epoch: K})`."
+)
 # Returns a number or a Tensor. Annotated Any: jsonargparse rejects a function returning `int` for a union.
 ItemCountFn = Callable[[Any], Any]
 
@@ -426,11 +430,7 @@ class GradientAccumulationLogic(_LogicBase):
             if isinstance(callback, self._api.gradient_accumulation_scheduler) or (
                 type(callback).__name__ == "GradientAccumulationScheduler"  # e.g. of the other namespace
             ):
-                raise RuntimeError(
-                    "You are using Lightning's `GradientAccumulationScheduler` and"
-                    " `GradientAccumulationCallback`. Remove the scheduler and pass its schedule as"
-                    " `GradientAccumulationCallback(accumulation_steps={epoch: K})`."
-                )
+                raise RuntimeError(SCHEDULER_CONFLICT)
             if isinstance(callback, GradientAccumulationLogic) and callback is not self:
                 raise RuntimeError(
                     "Two `GradientAccumulationCallback` instances were passed to the Trainer. Keep one."

@@ -1,27 +1,68 @@
-r"""``lightning-gradacc``: a LightningCLI whose experiments are YAML files (see ``configs/``).
+r"""``lightning-gradacc``: a LightningCLI for either namespace; its experiments are YAML files (``configs/``).
 
 Usage::
 
     lightning-gradacc fit --config configs/quickstart.yaml
+    lightning-gradacc fit --config configs/quickstart.yaml --namespace lightning   # lightning.pytorch
     lightning-gradacc fit --config configs/quickstart.yaml --trainer.max_epochs=2 \\
         --trainer.callbacks.init_args.accumulation_steps=8
+    lightning-gradacc fit --model my_project.MyModule --trainer.accumulate_grad_batches 4
+
+The namespace (``pytorch_lightning`` or ``lightning.pytorch``) follows the classes given: a model, data
+module, logger or callback named by its import path decides it; ``--namespace`` chooses it when only short
+class names are given (the shipped configs use them, so each runs in both); ``pytorch_lightning``
+otherwise. The command always accumulates with :class:`GradientAccumulationCallback`: without one in the
+config it adds one that adopts ``--trainer.accumulate_grad_batches``.
 """
 
 from __future__ import annotations
 
-from pytorch_lightning.cli import LightningCLI
+import importlib
+import sys
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
 
-from .callback import GradientAccumulationCallback
+import yaml
+
+from .callback import SCHEDULER_CONFLICT, GradientAccumulationLogic
+from .namespaces import LIGHTNING, NAMESPACES, PYTORCH_LIGHTNING, installed, namespace_of
 from .summary import format_summary
 
+NAMESPACE_FLAG = "--namespace"
+_NAMESPACE_NAMES = {
+    "pytorch_lightning": PYTORCH_LIGHTNING,
+    "lightning": LIGHTNING,
+    "lightning.pytorch": LIGHTNING,
+}
+# Modules whose classes the configs may name by their short names, per namespace.
+_SHORT_NAME_MODULES = {
+    PYTORCH_LIGHTNING: ("lightning_gradacc.callback", "lightning_gradacc.demo"),
+    LIGHTNING: ("lightning_gradacc.lightning", "lightning_gradacc.demo.lightning"),
+}
 
-class GradAccCLI(LightningCLI):
-    """LightningCLI that prints the accumulation summary after ``fit`` (on global rank 0)."""
+
+class _GradAccCLI:
+    """What ``lightning-gradacc`` adds to each namespace's ``LightningCLI``."""
+
+    callback_class: type[GradientAccumulationLogic]
+    trainer: Any
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """The Trainer, with a ``GradientAccumulationCallback`` added if the config has none."""
+        trainer = super().instantiate_trainer(**kwargs)  # type: ignore[misc]
+        callbacks = trainer.callbacks
+        if any(type(callback).__name__ == "GradientAccumulationScheduler" for callback in callbacks):
+            raise RuntimeError(SCHEDULER_CONFLICT)
+        if not any(isinstance(callback, GradientAccumulationLogic) for callback in callbacks):
+            callbacks.insert(0, self.callback_class())  # adopts `trainer.accumulate_grad_batches`
+        return trainer
 
     def after_fit(self) -> None:
-        """Print the summary table of the first ``GradientAccumulationCallback`` of the run."""
+        """Print the summary table of the run's ``GradientAccumulationCallback`` (on global rank 0)."""
         trainer = self.trainer
-        callback = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationCallback)), None)  # type: ignore[attr-defined]
+        callback = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationLogic)), None)
         if callback is None or not trainer.is_global_zero or callback.accumulator is None:
             return
         log_dir = trainer.logger.log_dir if trainer.logger is not None else None
@@ -34,11 +75,113 @@ class GradAccCLI(LightningCLI):
         print(summary, flush=True)
 
 
-def build_cli(args: list[str] | None = None, *, run: bool = True) -> GradAccCLI:
+@cache
+def cli_class(package: str) -> type:
+    """The command's LightningCLI for ``package``: ``"pytorch_lightning"`` or ``"lightning.pytorch"``."""
+    if not installed(package):
+        raise RuntimeError(
+            f"`{package}` is not installed: `pip install lightning-gradacc[lightning]` brings"
+            " `lightning.pytorch`."
+        )
+    for module in _SHORT_NAME_MODULES[package]:  # so that jsonargparse resolves the configs' short names
+        importlib.import_module(module)
+    lightning_cli = importlib.import_module(f"{package}.cli").LightningCLI
+    callback_module = importlib.import_module(_SHORT_NAME_MODULES[package][0])
+    attributes = {"callback_class": callback_module.GradientAccumulationCallback, "__module__": __name__}
+    return type("GradAccCLI", (_GradAccCLI, lightning_cli), attributes)
+
+
+def _split_namespace_flag(args: list[str]) -> tuple[str | None, list[str]]:
+    """Take ``--namespace NAME`` / ``--namespace=NAME`` out of ``args`` (LightningCLI does not know it)."""
+    chosen: str | None = None
+    rest: list[str] = []
+    items = iter(args)
+    for arg in items:
+        if arg == NAMESPACE_FLAG or arg.startswith(NAMESPACE_FLAG + "="):
+            value = arg.partition("=")[2] if "=" in arg else next(items, "")
+            if value not in _NAMESPACE_NAMES:
+                raise SystemExit(
+                    f"Expected `{NAMESPACE_FLAG}` to be one of {sorted(_NAMESPACE_NAMES)}, but got {value!r}."
+                )
+            chosen = _NAMESPACE_NAMES[value]
+        else:
+            rest.append(arg)
+    return chosen, rest
+
+
+def _strings(node: Any) -> Iterator[str]:
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from _strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _strings(value)
+
+
+def _candidate_paths(args: list[str]) -> Iterator[str]:
+    """Every value in ``args`` and in the YAML files they name that could be a class import path."""
+    for arg in args:
+        value = arg.partition("=")[2] if arg.startswith("-") and "=" in arg else arg
+        if value.endswith((".yaml", ".yml")) and Path(value).is_file():
+            yield from _strings(yaml.safe_load(Path(value).read_text()))
+        else:
+            yield value
+
+
+def _namespace_of_path(path: str) -> str | None:
+    module_name, _, attribute = path.rpartition(".")
+    if not module_name or not all(part.isidentifier() for part in path.split(".")):
+        return None
+    try:
+        found = getattr(importlib.import_module(module_name), attribute, None)
+    except ImportError:
+        return None
+    return namespace_of(found) if isinstance(found, type) else None
+
+
+def detect_namespace(args: list[str]) -> str | None:
+    """The namespace of the classes named by import path in ``args`` (and their config files), if any.
+
+    Raises:
+        SystemExit: the classes come from both namespaces.
+    """
+    found = {path: ns for path in _candidate_paths(args) if (ns := _namespace_of_path(path)) is not None}
+    if len(set(found.values())) > 1:
+        listed = ", ".join(f"`{path}` ({ns})" for path, ns in found.items())
+        raise SystemExit(
+            f"The classes given come from both Lightning namespaces: {listed}. Use the classes of one:"
+            " `lightning_gradacc.GradientAccumulationCallback` is for `pytorch_lightning`,"
+            " `lightning_gradacc.lightning.GradientAccumulationCallback` for `lightning.pytorch`."
+        )
+    return next(iter(found.values()), None)
+
+
+def choose_namespace(args: list[str]) -> tuple[str, list[str]]:
+    """The namespace to run ``args`` in, and ``args`` without ``--namespace``."""
+    chosen, rest = _split_namespace_flag(args)
+    detected = detect_namespace(rest)
+    if chosen is not None and detected is not None and chosen != detected:
+        raise SystemExit(
+            f"`{NAMESPACE_FLAG}` asks for `{chosen}`, but the classes given are `{detected}` classes."
+        )
+    return chosen or detected or PYTORCH_LIGHTNING, rest
+
+
+def build_cli(args: list[str] | None = None, *, run: bool = True) -> Any:
     """Parse ``args`` (default: ``sys.argv[1:]``), instantiate; run the subcommand unless ``run=False``."""
-    return GradAccCLI(args=args, run=run, save_config_kwargs={"overwrite": True})
+    package, rest = choose_namespace(list(sys.argv[1:] if args is None else args))
+    cli = cli_class(package)
+    if args is None:  # LightningCLI warns when `args` is given outside Python code
+        sys.argv = [sys.argv[0], *rest]
+        return cli(run=run, save_config_kwargs={"overwrite": True})
+    return cli(args=rest, run=run, save_config_kwargs={"overwrite": True})
 
 
 def main() -> None:
     """Entry point of ``lightning-gradacc`` and ``python -m lightning_gradacc``."""
     build_cli()
+
+
+__all__ = ["NAMESPACES", "build_cli", "choose_namespace", "cli_class", "detect_namespace", "main"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
@@ -10,6 +10,13 @@ import torchmetrics
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
+
+if TYPE_CHECKING:  # the bodies are checked as pytorch_lightning classes; plain mixins at run time
+    from pytorch_lightning import LightningDataModule as _LightningDataModuleBase
+    from pytorch_lightning import LightningModule as _LightningModuleBase
+else:
+    _LightningDataModuleBase = object
+    _LightningModuleBase = object
 
 
 def make_blobs(num_samples: int, num_features: int, num_classes: int, seed: int) -> TensorDataset:
@@ -27,7 +34,7 @@ def make_blobs(num_samples: int, num_features: int, num_classes: int, seed: int)
     return TensorDataset(features, labels)
 
 
-class BlobsDataModule(pl.LightningDataModule):
+class _BlobsData(_LightningDataModuleBase):
     """Train/validation split of :func:`make_blobs`.
 
     Args:
@@ -68,7 +75,7 @@ class BlobsDataModule(pl.LightningDataModule):
         return DataLoader(self.val_set, batch_size=256)
 
 
-class ClassifierModule(pl.LightningModule):
+class _Classifier(_LightningModuleBase):
     """Two-layer MLP with cross-entropy, SGD with momentum, and accuracy from torchmetrics.
 
     Args:
@@ -109,3 +116,11 @@ class ClassifierModule(pl.LightningModule):
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class BlobsDataModule(_BlobsData, pl.LightningDataModule):  # noqa: D101  (the body's docstring: its Args feed the CLI's help)
+    __doc__ = _BlobsData.__doc__
+
+
+class ClassifierModule(_Classifier, pl.LightningModule):  # noqa: D101  (the body's docstring: its Args feed the CLI's help)
+    __doc__ = _Classifier.__doc__
