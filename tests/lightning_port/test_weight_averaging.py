@@ -57,10 +57,11 @@ class EMAAveragingFunction:
         return self.decay * ema_param + (1 - self.decay) * current_param
 
 
-class EMATestCallback(WeightAveraging):
-    def __init__(self, devices: int = 1, **kwargs: Any) -> None:
-        super().__init__(avg_fn=EMAAveragingFunction(), **kwargs)
-        self.devices = devices
+class _CountingAveraging(WeightAveraging):
+    """Counts the swaps and copies of the averaged weights (shared by the EMA and SWA test callbacks)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.swap_calls = 0
         self.copy_calls = 0
         self.first_epoch: int | None = None
@@ -82,6 +83,12 @@ class EMATestCallback(WeightAveraging):
         super().on_train_epoch_start(trainer, *args)
         if self.first_epoch is None and not trainer.fit_loop.restarting:
             self.first_epoch = trainer.current_epoch
+
+
+class EMATestCallback(_CountingAveraging):
+    def __init__(self, devices: int = 1, **kwargs: Any) -> None:
+        super().__init__(avg_fn=EMAAveragingFunction(), **kwargs)
+        self.devices = devices
 
     def on_train_epoch_end(self, trainer: Trainer, *args: Any) -> None:
         super().on_train_epoch_end(trainer, *args)
@@ -98,33 +105,12 @@ class EMATestCallback(WeightAveraging):
         assert self.copy_calls == 1
 
 
-class SWATestCallback(WeightAveraging):
+class SWATestCallback(_CountingAveraging):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(avg_fn=get_swa_avg_fn(), **kwargs)
-        self.swap_calls = 0
-        self.copy_calls = 0
-        self.first_epoch: int | None = None
 
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
         return epoch_idx in (3, 5, 7)
-
-    def _swap_models(self, *args: Any, **kwargs: Any):
-        self.swap_calls += 1
-        return super()._swap_models(*args, **kwargs)
-
-    def _copy_average_to_current(self, *args: Any, **kwargs: Any):
-        self.copy_calls += 1
-        return super()._copy_average_to_current(*args, **kwargs)
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        assert self.swap_calls == 0
-        assert self.copy_calls == 0
-
-    def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:
-        super().on_train_epoch_start(trainer, *args)
-        if self.first_epoch is None and not trainer.fit_loop.restarting:
-            self.first_epoch = trainer.current_epoch
 
     def on_train_epoch_end(self, trainer: Trainer, *args: Any) -> None:
         super().on_train_epoch_end(trainer, *args)
