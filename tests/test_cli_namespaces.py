@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import lightning_gradacc.demo.lightning as lit_demo
 import lightning_gradacc.lightning as lit
 from lightning_gradacc import GradientAccumulationCallback, demo
 from lightning_gradacc.callback import GradientAccumulationLogic
-from lightning_gradacc.cli import build_cli
+from lightning_gradacc.cli import build_cli, detect_namespace
 from tests.test_cli import CONFIGS, QUICK, ROOT
 
 CALLBACKS = {
@@ -122,7 +123,9 @@ def test_classes_of_both_namespaces_are_refused(capsys: pytest.CaptureFixture) -
 
 def test_a_namespace_flag_that_contradicts_the_classes_is_refused() -> None:
     with pytest.raises(
-        SystemExit, match=r"asks for `pytorch_lightning`, but the classes given are `lightning.pytorch`"
+        SystemExit,
+        match=r"asks for `pytorch_lightning`, but `lightning_gradacc.demo.lightning.ClassifierModule` are"
+        r" `lightning.pytorch` classes",
     ):
         build_cli(
             ["--namespace", "pytorch_lightning", "--model=lightning_gradacc.demo.lightning.ClassifierModule"],
@@ -132,8 +135,18 @@ def test_a_namespace_flag_that_contradicts_the_classes_is_refused() -> None:
         build_cli(["--namespace=lightnin"], run=False)
 
 
+PROBE = """
+import atexit, os, sys
+def _report():
+    with open(os.path.join(os.environ["PROBE_DIR"], "rank" + os.environ.get("LOCAL_RANK", "0")), "w") as f:
+        f.write(str("lightning_gradacc.demo.lightning" in sys.modules))
+atexit.register(_report)
+"""
+
+
 @pytest.mark.slow
 def test_ddp_config_under_lightning_pytorch_with_the_console_script(tmp_path: Path) -> None:
+    """Lightning starts the other rank with the same command line: it must run the same namespace."""
     command = Path(sys.executable).parent / "lightning-gradacc"
     args = [
         str(command),
@@ -145,8 +158,45 @@ def test_ddp_config_under_lightning_pytorch_with_the_console_script(tmp_path: Pa
         *QUICK,
     ]
     args.append(f"--trainer.logger.init_args.save_dir={tmp_path}")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(PROBE)
+    python_path = os.pathsep.join([str(probe), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PROBE_DIR": str(probe), "PYTHONPATH": python_path}
     result = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("Gradient accumulation summary") == 1
     assert "optimizer steps              6" in result.stdout
+    assert (probe / "rank0").read_text() == (probe / "rank1").read_text() == "True"
+
+
+def test_only_class_options_and_class_paths_are_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other dotted values (a directory `train.out`, a file `poems.txt`) are never imported."""
+    (tmp_path / "train.py").write_text("raise SystemExit('train.py was imported')\n")
+    (tmp_path / "poems.py").write_text("raise SystemExit('poems.py was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["--config", str(ROOT / "configs/token_lm.yaml"), "--trainer.default_root_dir=train.out"]
+    assert detect_namespace(args) is None  # short names only
+    assert detect_namespace(["--model.init_args.text=poems.txt"]) is None
+
+
+@pytest.mark.parametrize("form", ["json", "inline", "nested", "subcommand"])
+def test_class_paths_in_every_form_lightning_cli_accepts(form: str, tmp_path: Path) -> None:
+    model = {"class_path": "lightning_gradacc.demo.lightning.ClassifierModule"}
+    if form == "json":
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({"model": model}))
+        args = ["--config", str(path)]
+    elif form == "inline":
+        args = ["--model", json.dumps(model)]
+    elif form == "nested":
+        (tmp_path / "model.yaml").write_text(yaml.safe_dump(model))
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": "model.yaml"}))
+        args = ["-c", str(tmp_path / "config.yaml")]
+    else:
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump({"fit": {"model": model}}))
+        args = [f"--config={tmp_path / 'config.yaml'}"]
+    assert detect_namespace(args) == "lightning.pytorch"

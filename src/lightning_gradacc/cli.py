@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -109,45 +110,116 @@ def _split_namespace_flag(args: list[str]) -> tuple[str | None, list[str]]:
     return chosen, rest
 
 
-def _strings(node: Any) -> Iterator[str]:
-    if isinstance(node, str):
-        yield node
+# Options whose value names a class (an import path, or a config holding `class_path`).
+_CLASS_OPTIONS = (
+    "--model",
+    "--data",
+    "--trainer.logger",
+    "--trainer.callbacks",
+    "--optimizer",
+    "--lr_scheduler",
+)
+_CONFIG_OPTIONS = ("--config", "-c")
+
+
+def _load(text_or_path: str, base: Path) -> Any:
+    """A config given as a file (YAML or JSON) or inline; ``None`` if it is neither (left to jsonargparse)."""
+    path = Path(text_or_path) if Path(text_or_path).is_absolute() else base / text_or_path
+    try:
+        if text_or_path.endswith((".yaml", ".yml", ".json")) and path.is_file():
+            return _with_base(yaml.safe_load(path.read_text()), path.parent)
+        if text_or_path.lstrip().startswith(("{", "[")):
+            return yaml.safe_load(text_or_path)
+    except (OSError, yaml.YAMLError):  # jsonargparse reports a broken config in its own words
+        return None
+    return None
+
+
+def _with_base(node: Any, base: Path) -> Any:
+    return {"__base__": base, "node": node}
+
+
+# Where a config may name a class by a plain string (an import path or another config file).
+_CLASS_KEYS = {("model",), ("data",), ("trainer", "logger"), ("trainer", "callbacks")}
+_SUBCOMMANDS = {"fit", "validate", "test", "predict"}
+
+
+def _class_paths(node: Any, base: Path, keys: tuple[str, ...] = ()) -> Iterator[str]:
+    """The ``class_path`` values of a parsed config; config files it names for classes are read too."""
+    if keys[:1] and keys[0] in _SUBCOMMANDS:  # a config for the whole command: `fit: {model: ...}`
+        keys = keys[1:]
+    if isinstance(node, dict) and "__base__" in node:
+        yield from _class_paths(node["node"], node["__base__"], keys)
     elif isinstance(node, dict):
-        for value in node.values():
-            yield from _strings(value)
+        for key, value in node.items():
+            if key == "class_path" and isinstance(value, str):
+                yield value
+            else:
+                yield from _class_paths(value, base, (*keys, str(key)))
     elif isinstance(node, list):
         for value in node:
-            yield from _strings(value)
+            yield from _class_paths(value, base, keys)
+    elif isinstance(node, str) and keys in _CLASS_KEYS:
+        loaded = _load(node, base)
+        yield from (
+            _class_paths(loaded, base, keys) if loaded is not None else [node]
+        )  # or `model: my.Module`
 
 
 def _candidate_paths(args: list[str]) -> Iterator[str]:
-    """Every value in ``args`` and in the YAML files they name that could be a class import path."""
-    for arg in args:
-        value = arg.partition("=")[2] if arg.startswith("-") and "=" in arg else arg
-        if value.endswith((".yaml", ".yml")) and Path(value).is_file():
-            yield from _strings(yaml.safe_load(Path(value).read_text()))
-        else:
+    """The class import paths named in ``args``: by the options that take classes, and in config files."""
+    cwd = Path.cwd()
+    items = iter(args)
+    for arg in items:
+        option, has_value, value = arg.partition("=")
+        if not option.startswith("-"):
+            continue
+        is_config = option in _CONFIG_OPTIONS
+        is_class = option in _CLASS_OPTIONS or option.endswith(".class_path")
+        if not (is_config or is_class):
+            continue
+        if not has_value:
+            value = next(items, "")
+        keys = () if is_config else tuple(option.removeprefix("--").removesuffix(".class_path").split("."))
+        loaded = _load(value, cwd)
+        if loaded is not None:
+            yield from _class_paths(loaded, cwd, keys)
+        elif is_class:
             yield value
 
 
 def _namespace_of_path(path: str) -> str | None:
+    """The namespace of the class at import path ``path`` (``None``: not a class, or not importable)."""
     module_name, _, attribute = path.rpartition(".")
     if not module_name or not all(part.isidentifier() for part in path.split(".")):
         return None
+    if module_name.split(".")[0] == "lightning" and not installed(LIGHTNING):
+        raise SystemExit(
+            f"`{path}` is a `lightning.pytorch` class, but `lightning` is not installed: run"
+            " `pip install lightning-gradacc[lightning]`."
+        )
     try:
         found = getattr(importlib.import_module(module_name), attribute, None)
-    except ImportError:
+    except Exception:  # jsonargparse reports an import path that does not import, in its own words
         return None
     return namespace_of(found) if isinstance(found, type) else None
+
+
+def _detect(args: list[str]) -> dict[str, str]:
+    return {path: ns for path in _candidate_paths(args) if (ns := _namespace_of_path(path)) is not None}
 
 
 def detect_namespace(args: list[str]) -> str | None:
     """The namespace of the classes named by import path in ``args`` (and their config files), if any.
 
+    Only the values LightningCLI takes as classes are looked at: ``class_path`` entries, and the values of
+    ``--model``, ``--data``, ``--trainer.logger``, ``--trainer.callbacks``, ``--optimizer`` and
+    ``--lr_scheduler`` (inline, or as config files), in the command line and in ``--config`` files.
+
     Raises:
         SystemExit: the classes come from both namespaces.
     """
-    found = {path: ns for path in _candidate_paths(args) if (ns := _namespace_of_path(path)) is not None}
+    found = _detect(args)
     if len(set(found.values())) > 1:
         listed = ", ".join(f"`{path}` ({ns})" for path, ns in found.items())
         raise SystemExit(
@@ -163,8 +235,10 @@ def choose_namespace(args: list[str]) -> tuple[str, list[str]]:
     chosen, rest = _split_namespace_flag(args)
     detected = detect_namespace(rest)
     if chosen is not None and detected is not None and chosen != detected:
+        paths = ", ".join(f"`{path}`" for path in _detect(rest))
         raise SystemExit(
-            f"`{NAMESPACE_FLAG}` asks for `{chosen}`, but the classes given are `{detected}` classes."
+            f"`{NAMESPACE_FLAG}` asks for `{chosen}`, but {paths} are `{detected}` classes. Drop"
+            f" `{NAMESPACE_FLAG}`, or name the `{chosen}` classes instead."
         )
     return chosen or detected or PYTORCH_LIGHTNING, rest
 
@@ -172,15 +246,14 @@ def choose_namespace(args: list[str]) -> tuple[str, list[str]]:
 def build_cli(args: list[str] | None = None, *, run: bool = True) -> Any:
     """Parse ``args`` (default: ``sys.argv[1:]``), instantiate; run the subcommand unless ``run=False``."""
     package, rest = choose_namespace(list(sys.argv[1:] if args is None else args))
-    cli = cli_class(package)
-    if args is None:  # LightningCLI warns when `args` is given outside Python code
-        sys.argv = [sys.argv[0], *rest]
-        return cli(run=run, save_config_kwargs={"overwrite": True})
-    return cli(args=rest, run=run, save_config_kwargs={"overwrite": True})
+    # `sys.argv` keeps `--namespace`: Lightning's DDP launcher starts the other ranks with it.
+    return cli_class(package)(args=rest, run=run, save_config_kwargs={"overwrite": True})
 
 
 def main() -> None:
     """Entry point of ``lightning-gradacc`` and ``python -m lightning_gradacc``."""
+    # The arguments are the command line's, less `--namespace`: LightningCLI's warning about `args` is moot.
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
     build_cli()
 
 
