@@ -247,7 +247,14 @@ def build_cli(args: list[str] | None = None, *, run: bool = True) -> Any:
     """Parse ``args`` (default: ``sys.argv[1:]``), instantiate; run the subcommand unless ``run=False``."""
     package, rest = choose_namespace(list(sys.argv[1:] if args is None else args))
     # `sys.argv` keeps `--namespace`: Lightning's DDP launcher starts the other ranks with it.
-    return cli_class(package)(args=rest, run=run, save_config_kwargs={"overwrite": True})
+    description = (
+        f"Gradient accumulation with lightning_gradacc, in `{package}`. `{NAMESPACE_FLAG} lightning` or"
+        f" `{NAMESPACE_FLAG} pytorch_lightning` (anywhere on the command line) chooses the namespace when the"
+        " classes given do not."
+    )
+    return cli_class(package)(
+        args=rest, run=run, save_config_kwargs={"overwrite": True}, parser_kwargs={"description": description}
+    )
 
 
 def main() -> None:
