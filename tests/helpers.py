@@ -15,6 +15,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+# The package's own token counter, re-exported: every oracle uses it (no re-implementation here).
+from lightning_gradacc.counters import count_tokens as count_tokens
+
 IGNORE_INDEX = -100
 
 
@@ -198,11 +201,6 @@ def token_data(num_sequences: int = 24, max_len: int = 9, seed: int = 0) -> Tens
     return TensorDataset(inputs, labels)
 
 
-def count_tokens(batch: Sequence[Tensor]) -> Tensor:
-    """Non-padding tokens of a batch, as a tensor (no sync)."""
-    return (batch[1] != IGNORE_INDEX).sum()
-
-
 def token_net(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Embedding(VOCAB, 6), nn.Linear(6, VOCAB))
@@ -271,6 +269,7 @@ def big_batch_reference(
     max_grad_norm: float | None = None,
     losses: list[float] | None = None,
     prepare: Callable[[nn.Module, int], None] | None = None,
+    fp16_autocast: bool = False,
 ) -> nn.Module:
     """Train a copy of ``net`` with one optimizer step per window on the window's samples as ONE batch.
 
@@ -278,6 +277,8 @@ def big_batch_reference(
     real token of the window); ``sum_of_means`` multiplies it by the number of micro-batches (the "sum"
     contract with equal micro-batches). ``prepare(reference, window_index)`` runs before each window (e.g. to
     freeze or unfreeze layers); only parameters with ``requires_grad`` then take part, as in the optimizer.
+    ``fp16_autocast`` runs the forward under CPU fp16 autocast, as ``precision="16-mixed"`` does, so that
+    16-mixed runs compare against the same arithmetic (the loss scale, a power of two, changes nothing).
     """
     reference = copy.deepcopy(net)
     opt = make_optimizer(optimizer, reference.parameters(), lr)
@@ -287,7 +288,8 @@ def big_batch_reference(
             prepare(reference, index)
         rows = torch.cat([torch.arange(b * batch_size, min((b + 1) * batch_size, len(data))) for b in window])
         opt.zero_grad()
-        loss = loss_fn(reference, *(t[rows] for t in tensors))
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16_autocast):
+            loss = loss_fn(reference, *(t[rows] for t in tensors))
         if losses is not None:
             losses.append(float(loss.detach()))
         if sum_of_means:
@@ -300,6 +302,18 @@ def big_batch_reference(
             continue
         opt.step()
     return reference
+
+
+def amp_plugin(init_scale: float = 2.0**8) -> Any:
+    """``precision="16-mixed"`` on CPU with an explicit GradScaler (Lightning has none for CPU by default)."""
+    from pytorch_lightning.plugins import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=init_scale))
+
+
+def regression_reference(window_list: list[list[int]], *, num_samples: int = 40, **kwargs: Any) -> nn.Module:
+    """:func:`big_batch_reference` for ``RegressionModule`` defaults (micro-batches of 4)."""
+    return big_batch_reference(regression_net(), regression_data(num_samples), 4, window_list, mse, **kwargs)
 
 
 def mse(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:

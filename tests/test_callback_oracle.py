@@ -19,10 +19,7 @@ def fit_regression(
     return module, trainer
 
 
-def reference(window_list, *, num_samples: int = 40, **kwargs):
-    return h.big_batch_reference(
-        h.regression_net(), h.regression_data(num_samples), BATCH, window_list, h.mse, **kwargs
-    )
+reference = h.regression_reference
 
 
 @pytest.mark.parametrize("scaling", ["mean", "sum"])
@@ -91,12 +88,13 @@ def test_k1_is_identical_to_no_callback() -> None:
     ],
 )
 def test_epoch_schedule(schedule: dict[int, int], k_of_epoch, steps: int) -> None:
+    given = dict(schedule)
     callback = GradientAccumulationCallback(schedule)
     module, trainer = fit_regression(callback, epochs=4)
     assert trainer.global_step == steps
     assert callback.stats.optimizer_steps == steps
     assert h.max_abs_diff(module.net, reference(h.windows(10, k_of_epoch, epochs=4))) < 1e-6
-    assert schedule == dict(schedule)  # the caller's dict is not mutated
+    assert schedule == given and list(schedule) == list(given)  # the caller's dict is not mutated
 
 
 def test_target_batch_size_derives_k() -> None:

@@ -120,7 +120,7 @@ def test_config_runs_end_to_end(config: Path, tmp_path: Path, capsys: pytest.Cap
     assert callback.stats.optimizer_steps == cli.trainer.global_step > 0
     out = capsys.readouterr().out
     assert "Gradient accumulation summary" in out
-    assert f"optimizer steps{' ' * 14}{callback.stats.optimizer_steps}" in out.replace("  ", " " * 2)
+    assert f"optimizer steps{' ' * 14}{callback.stats.optimizer_steps}\n" in out
     assert str(tmp_path) in out
     assert list(tmp_path.rglob("events.out.tfevents.*"))
 

@@ -12,7 +12,6 @@ from typing import Any
 import lightning.pytorch as L
 import pytest
 import pytorch_lightning as pl
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import lightning_gradacc.lightning as lit
@@ -31,10 +30,7 @@ def fit(ns: str, callback: Any, *, module: Any = None, **kwargs: Any) -> tuple[A
     return module, trainer
 
 
-def reference(window_list: list[list[int]], **kwargs: Any) -> torch.nn.Module:
-    return h.big_batch_reference(
-        h.regression_net(), h.regression_data(40), BATCH, window_list, h.mse, **kwargs
-    )
+reference = h.regression_reference
 
 
 @NAMESPACES

@@ -224,11 +224,7 @@ def test_pending_window_is_restored_with_a_plain_dataloader(tmp_path: Path) -> N
 
 
 def test_resume_mid_window_under_16_mixed(tmp_path: Path) -> None:
-    from pytorch_lightning.plugins import MixedPrecision
-
-    def plugin() -> MixedPrecision:
-        return MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**8))
-
+    plugin = h.amp_plugin
     expected = module("sgd")
     h.trainer(callbacks=[make_callback("mean")], plugins=[plugin()], max_epochs=EPOCHS).fit(expected)
     path = tmp_path / "amp.ckpt"
@@ -240,34 +236,38 @@ def test_resume_mid_window_under_16_mixed(tmp_path: Path) -> None:
     assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6
 
 
-def test_time_interval_checkpoints_resume_exactly(tmp_path: Path) -> None:
-    """ModelCheckpoint(train_time_interval=...) checkpoints resume exactly.
+class Validated(h.RegressionModule):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
 
-    In Lightning 2.6.6 it saves only when ``global_step`` changed since its last save, so its checkpoints
-    fall on the last micro-batch of a window (the window is closed); the callback must handle both.
-    """
-    import time
-    from datetime import timedelta
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(h.regression_data(8, seed=1), batch_size=4)
 
+
+def test_model_checkpoint_after_validation_inside_a_window_resumes_exactly(tmp_path: Path) -> None:
+    """`ModelCheckpoint(monitor=...)` saves after a validation that falls inside a window: open windows."""
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    class Slow(h.RegressionModule):
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            time.sleep(0.003)
-            return super().training_step(batch, batch_idx)
+    def validated() -> Validated:
+        return Validated(h.regression_data(38), resumable=True)
 
-    def slow() -> Slow:
-        return Slow(h.regression_data(38), resumable=True)
-
-    expected = slow()
-    h.trainer(callbacks=[make_callback("weighted")], max_epochs=EPOCHS).fit(expected)
-    saver = ModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(milliseconds=1), save_top_k=-1)
-    h.trainer(callbacks=[make_callback("weighted"), saver], max_epochs=EPOCHS, enable_checkpointing=True).fit(
-        slow()
+    options = {"max_epochs": EPOCHS, "val_check_interval": 3, "num_sanity_val_steps": 0}
+    expected = validated()
+    h.trainer(callbacks=[make_callback("weighted")], **options).fit(expected)
+    saver = ModelCheckpoint(
+        dirpath=tmp_path, monitor="val_loss", save_top_k=-1, filename="{epoch}-{step}-{val_loss}"
+    )
+    h.trainer(callbacks=[make_callback("weighted"), saver], enable_checkpointing=True, **options).fit(
+        validated()
     )
     saved = sorted(tmp_path.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
-    assert len(saved) >= 3
-    for path in saved[:3]:
-        resumed = slow()
-        h.trainer(callbacks=[make_callback("weighted")], max_epochs=EPOCHS).fit(resumed, ckpt_path=path)
+    open_windows = set()
+    for path in saved:
+        state = torch.load(path, weights_only=True)["callbacks"]["GradientAccumulationCallback"]
+        if state["window"] is not None:
+            open_windows.add(state["window"]["micro_batches"])
+        resumed = validated()
+        h.trainer(callbacks=[make_callback("weighted")], **options).fit(resumed, ckpt_path=path)
         assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6, path.name
+    assert open_windows == {1, 2, 3}  # validation after batches 2, 5 and 8 of windows of 4, 4, 2
