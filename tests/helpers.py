@@ -270,6 +270,8 @@ def big_batch_reference(
     losses: list[float] | None = None,
     prepare: Callable[[nn.Module, int], None] | None = None,
     fp16_autocast: bool = False,
+    norm_type: float = 2.0,
+    clip_value: float | None = None,
 ) -> nn.Module:
     """Train a copy of ``net`` with one optimizer step per window on the window's samples as ONE batch.
 
@@ -297,7 +299,11 @@ def big_batch_reference(
         loss.backward()
         if max_grad_norm is not None:
             trainable = [p for p in reference.parameters() if p.requires_grad]
-            torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm, norm_type=norm_type)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(
+                [p for p in reference.parameters() if p.requires_grad], clip_value
+            )
         if index in skip_windows:
             continue
         opt.step()

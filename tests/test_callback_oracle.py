@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from lightning_gradacc import GradientAccumulationCallback
@@ -140,3 +142,18 @@ def test_fit_twice_with_the_same_callback() -> None:
     h.trainer(callbacks=[callback], max_epochs=1).fit(module)  # and again with a new Trainer
     assert h.max_abs_diff(module.net, reference(h.windows(10, 4, epochs=3))) < 1e-6
     assert callback.stats.optimizer_steps == 9
+
+
+@pytest.mark.parametrize(
+    ("options", "reference_options"),
+    [
+        ({"clip_value": 0.05}, {"clip_value": 0.05}),
+        ({"max_grad_norm": 0.3, "norm_type": math.inf}, {"max_grad_norm": 0.3, "norm_type": math.inf}),
+        ({"max_grad_norm": 0.5, "clip_value": 0.05}, {"max_grad_norm": 0.5, "clip_value": 0.05}),
+    ],
+)
+def test_clip_value_and_inf_norm_through_the_callback(options: dict, reference_options: dict) -> None:
+    callback = GradientAccumulationCallback(4, **options)
+    module, _ = fit_regression(callback)
+    assert h.max_abs_diff(module.net, reference(h.windows(10, 4), **reference_options)) < 1e-6
+    assert callback.stats.clip_count == 3

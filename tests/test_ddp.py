@@ -178,3 +178,38 @@ def test_ddp_bad_count_on_one_rank_raises_on_every_rank_without_hanging() -> Non
     # ddp_spawn ends the other process as soon as one fails, so a hang would not show here on its own;
     # test_core's test_a_bad_count_on_another_rank_raises_on_this_rank_too shows the decision is collective.
     assert time.monotonic() - started < 45
+
+
+def test_ddp_under_16_mixed_matches_the_big_batch_under_the_same_autocast() -> None:
+    data = h.regression_data(40)  # 5 micro-batches of 4 per rank; K=2: windows 2, 2, 1
+    module = h.RegressionModule(data)
+    trainer = ddp_trainer(GradientAccumulationCallback(2, max_grad_norm=0.5), plugins=[h.amp_plugin()])
+    trainer.fit(module)
+    expected = h.big_batch_reference(
+        h.regression_net(), data, 4 * WORLD, h.windows(5, 2), h.mse, max_grad_norm=0.5, fp16_autocast=True
+    )
+    assert h.max_abs_diff(module.net, expected) < 2e-4  # fp16 rounding: micro- vs big-batch
+    assert float(trainer.callback_metrics["grad_accum/skipped_steps"]) == 0
+
+
+class EstimateRecorder(h.RegressionModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.estimate = self.trainer.estimated_stepping_batches
+        return super().configure_optimizers()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.log("estimate", float(self.estimate), on_step=True, on_epoch=False, batch_size=1)
+
+
+def test_ddp_target_batch_size_resolves_k_over_ranks_before_configure_optimizers() -> None:
+    data = h.regression_data(40)
+    module = EstimateRecorder(data)
+    trainer = ddp_trainer(GradientAccumulationCallback(target_batch_size=16))  # 4 per rank x 2 ranks: K=2
+    trainer.fit(module)
+    assert (
+        h.max_abs_diff(module.net, h.big_batch_reference(h.regression_net(), data, 8, h.windows(5, 2), h.mse))
+        < 1e-6
+    )
+    metrics = trainer.callback_metrics
+    assert float(metrics["grad_accum/accumulation_steps"]) == 2
+    assert float(metrics["estimate"]) == float(metrics["grad_accum/optimizer_steps"]) == 3

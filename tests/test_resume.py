@@ -271,3 +271,28 @@ def test_model_checkpoint_after_validation_inside_a_window_resumes_exactly(tmp_p
         h.trainer(callbacks=[make_callback("weighted")], **options).fit(resumed, ckpt_path=path)
         assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6, path.name
     assert open_windows == {1, 2, 3}  # validation after batches 2, 5 and 8 of windows of 4, 4, 2
+
+
+def test_resume_with_a_larger_k_continues_the_open_window(tmp_path: Path) -> None:
+    """Saved at micro-batch 5 with K=4 (window 4-5 open), resumed with K=8: the window grows to 4-7 (the
+    saved sum, made with loss/4, is brought to loss/8), then windows of 8 and the rest."""
+    path = tmp_path / "k4.ckpt"
+    preempt(module("sgd"), [make_callback("weighted")], 5, path)
+    resumed = module("sgd")
+    callback = GradientAccumulationCallback(8, scaling="weighted")
+    h.trainer(callbacks=[callback], max_epochs=EPOCHS).fit(resumed, ckpt_path=path)
+    windows = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], list(range(8)), [8, 9]]
+    assert h.max_abs_diff(resumed.net, h.regression_reference(windows, num_samples=38)) < 1e-6
+
+
+def test_resume_with_a_smaller_k_discards_the_saved_window_with_a_warning(tmp_path: Path) -> None:
+    """With K=2, Lightning starts a new window at micro-batch 6, so the saved window (4-5) never steps."""
+    path = tmp_path / "k4.ckpt"
+    preempt(module("sgd"), [make_callback("weighted")], 5, path)
+    resumed = module("sgd")
+    with pytest.warns(UserWarning, match="never reached its optimizer step"):
+        h.trainer(callbacks=[GradientAccumulationCallback(2, scaling="weighted")], max_epochs=EPOCHS).fit(
+            resumed, ckpt_path=path
+        )
+    windows = [[0, 1, 2, 3], [6, 7], [8, 9], *h.windows(10, 2)]
+    assert h.max_abs_diff(resumed.net, h.regression_reference(windows, num_samples=38)) < 1e-6
