@@ -30,13 +30,11 @@ class LightningNamespace:
 
     Example:
         >>> api = namespace("pytorch_lightning")
-        >>> api.package, api.callback.__module__
-        ('pytorch_lightning', 'pytorch_lightning.callbacks.callback')
+        >>> api.package, api.ddp_strategy.__module__
+        ('pytorch_lightning', 'pytorch_lightning.strategies.ddp')
     """
 
     package: str
-    callback: type
-    lightning_module: type
     gradient_accumulation_scheduler: type
     ddp_strategy: type
     single_device_strategy: type
@@ -70,8 +68,6 @@ def namespace(package: str) -> LightningNamespace:
 
     return LightningNamespace(
         package=package,
-        callback=load("callbacks", "Callback"),
-        lightning_module=load("core", "LightningModule"),
         gradient_accumulation_scheduler=load("callbacks", "GradientAccumulationScheduler"),
         ddp_strategy=load("strategies", "DDPStrategy"),
         single_device_strategy=load("strategies", "SingleDeviceStrategy"),
