@@ -12,7 +12,13 @@ import psutil
 import pytorch_lightning as pl
 import torch
 
-from .measure import boundary_pass, gradient_sets, peak_memory_in_subprocess, syncs_per_micro_batch_and_step
+from .measure import (
+    boundary_pass,
+    gradient_sets,
+    operators_per_boundary,
+    peak_memory_in_subprocess,
+    syncs_per_micro_batch_and_step,
+)
 from .workloads import MODE_TITLES, MODES, QUICK_SIZES, SIZES, seconds_per_micro_batch
 
 
@@ -103,6 +109,24 @@ def syncs(device: str, quick: bool) -> list[str]:
     return lines
 
 
+def operators(device: str) -> list[str]:
+    lines = [
+        "| mode (K=4) | aten operators called by `finalize` | including the nested ones |",
+        "|---|---|---|",
+    ]
+    for title, settings in (
+        ("default (mean, overflow skip)", {}),
+        ('`overflow="ignore"`', {"overflow": "ignore"}),
+        ("`max_grad_norm=1.0`", {"max_grad_norm": 1.0}),
+        ('`scaling="weighted"`, tensor counts', {"scaling": "weighted"}),
+        ('`accumulation_dtype="float64"`', {"accumulation_dtype": "float64"}),
+    ):
+        top_level, every = operators_per_boundary(settings, 4, device)
+        lines.append(f"| {title} | {top_level} | {every} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -124,6 +148,8 @@ def main() -> None:
         *memory(args.device, args.quick),
         "\n## Host syncs made by the callback (K=4, logging every step)\n",
         *syncs(args.device, args.quick),
+        "\n## Operators launched by one boundary (`finalize`, small model, torch.profiler)\n",
+        *operators(args.device),
     ]
     out = args.out or Path(__file__).parent / f"results-{args.device}{'-quick' if args.quick else ''}.md"
     out.write_text("\n".join(sections) + "\n")
