@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gradacc import GradientAccumulationCallback
-from tests.helpers import max_abs_diff
+from tests.helpers import max_abs_diff, windows
+from tests.lightning_port.reference import boring_reference
 
 QUIET = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
 
@@ -40,21 +41,8 @@ class FixedDataModel(BoringModel):
 
 
 def plain_reference(layer: nn.Module, data: torch.Tensor, num_batches: int, ks: list[int]) -> nn.Module:
-    """BoringModel's SGD(lr=0.1) + StepLR(gamma=0.1) per epoch; each window's gradient is the mean over the
-    micro-batches it really has (the last window of an epoch may be partial)."""
-    layer = copy.deepcopy(layer)
-    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
-    for k in ks:
-        for start in range(0, num_batches, k):
-            window = list(range(start, min(start + k, num_batches)))
-            opt.zero_grad()
-            for b in window:
-                out = layer(data[b : b + 1])
-                (nn.functional.mse_loss(out, torch.ones_like(out)) / len(window)).backward()
-            opt.step()
-        sched.step()
-    return layer
+    """One epoch per K in ``ks``; the last window of an epoch may be partial."""
+    return boring_reference(layer, data, [windows(num_batches, k) for k in ks])
 
 
 # Original: test_trainer_accumulate_grad_batches_zero_grad

@@ -14,33 +14,20 @@ import pytest
 import torch
 from pytorch_lightning import Trainer
 from pytorch_lightning.demos.boring_classes import BoringModel
-from torch import nn
 from torch.optim import SGD
 from torch.utils.data import DataLoader
 
 from lightning_gradacc import GradientAccumulationCallback
-from tests.helpers import max_abs_diff
+from tests.helpers import max_abs_diff, windows
+from tests.lightning_port.reference import boring_reference
 
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False)
 DATA = torch.randn(64, 32, generator=torch.Generator().manual_seed(19))
 
 
 def plain_reference(layer, num_batches, k, epochs):
-    """BoringModel's SGD(lr=0.1) + StepLR per epoch; every window (the last one may be partial) is the mean
-    over its micro-batches."""
-    layer = copy.deepcopy(layer)
-    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
-    for _ in range(epochs):
-        for first in range(0, num_batches, k):
-            window = range(first, min(first + k, num_batches))
-            opt.zero_grad()
-            for b in window:
-                out = layer(DATA[b : b + 1])
-                (nn.functional.mse_loss(out, torch.ones_like(out)) / len(window)).backward()
-            opt.step()
-        sched.step()
-    return layer
+    """Every window (the last one of an epoch may be partial) is the mean over its micro-batches."""
+    return boring_reference(layer, DATA, [windows(num_batches, k)] * epochs)
 
 
 # Original: test_gradient_accumulation_scheduling_last_batch (oracle added)

@@ -14,11 +14,11 @@ import pytest
 import torch
 from pytorch_lightning import Callback, Trainer
 from pytorch_lightning.demos.boring_classes import BoringModel
-from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gradacc import GradientAccumulationCallback
-from tests.helpers import max_abs_diff
+from tests.helpers import max_abs_diff, windows
+from tests.lightning_port.reference import boring_reference
 
 K = 3
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False)
@@ -33,21 +33,8 @@ class FixedDataModel(BoringModel):
 def plain_reference(layer, batches_run: int, epochs: int, k: int = K, discard_open_window: bool = True):
     """Each epoch runs micro-batches [0, batches_run); a trailing window shorter than K is stepped only if
     the epoch really ended there (``discard_open_window=False``)."""
-    layer = copy.deepcopy(layer)
-    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
-    for _ in range(epochs):
-        for first in range(0, batches_run, k):
-            window = list(range(first, min(first + k, batches_run)))
-            if len(window) < k and discard_open_window:
-                continue
-            opt.zero_grad()
-            for b in window:
-                out = layer(DATA[b : b + 1])
-                (nn.functional.mse_loss(out, torch.ones_like(out)) / len(window)).backward()
-            opt.step()
-        sched.step()
-    return layer
+    run = [w for w in windows(batches_run, k) if len(w) == k or not discard_open_window]
+    return boring_reference(layer, DATA, [run] * epochs)
 
 
 class WindowSizes(Callback):

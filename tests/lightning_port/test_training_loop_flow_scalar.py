@@ -16,12 +16,12 @@ import torch
 from pytorch_lightning import Trainer
 from pytorch_lightning.demos.boring_classes import BoringModel
 from pytorch_lightning.loops.optimization.automatic import Closure
-from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_gradacc import GradientAccumulationCallback
-from tests.helpers import max_abs_diff
+from tests.helpers import max_abs_diff, windows
+from tests.lightning_port.reference import boring_reference
 
 QUIET = dict(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False)
 DATA = torch.randn(8, 32, generator=torch.Generator().manual_seed(11))
@@ -33,20 +33,9 @@ class FixedDataModel(BoringModel):
 
 
 def plain_reference(layer, num_batches, k, epochs, has_loss, batch_size=2, gamma=0.1):
-    """BoringModel's SGD(lr=0.1) + StepLR; ``has_loss(batch_idx)`` says which micro-batches contribute."""
-    layer = copy.deepcopy(layer)
-    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma)
-    for _ in range(epochs):
-        for first in range(0, num_batches, k):
-            window = [b for b in range(first, min(first + k, num_batches)) if has_loss(b)]
-            opt.zero_grad(set_to_none=True)
-            for b in window:
-                out = layer(DATA[b * batch_size : (b + 1) * batch_size])
-                (nn.functional.mse_loss(out, torch.ones_like(out)) / len(window)).backward()
-            opt.step()
-        sched.step()
-    return layer
+    """``has_loss(batch_idx)`` says which micro-batches contribute to their window."""
+    run = [[b for b in window if has_loss(b)] for window in windows(num_batches, k)]
+    return boring_reference(layer, DATA, [run] * epochs, batch_size=batch_size, gamma=gamma)
 
 
 # Original: test__training_step__flow_scalar (a scalar tensor rather than a dict; oracle added)
