@@ -695,17 +695,31 @@ class GradAccumulator:
         return world_size / (grad_scale * (weights if weights > 0 else 1.0))
 
     def _update_ledger(self, *, count: bool, **step: Tensor | float) -> None:
+        """Fold one step into the device ledger in a few kernels.
+
+        Counters add up, the largest norm is kept, the rest is overwritten; ``count=False`` (a re-evaluation)
+        advances no counter.
+        """
         if self._ledger is None:
             self._ledger = torch.tensor(self._host_ledger, dtype=self._ledger_dtype, device=self.device)
-        old = dict(zip(_LEDGER_FIELDS, self._ledger.unbind(), strict=True))
-        values = {key: self._scalar(value) for key, value in step.items()}
-        norm = values["last_grad_norm"]
-        values["max_grad_norm_seen"] = torch.maximum(
-            old["max_grad_norm_seen"], torch.where(torch.isfinite(norm), norm, 0.0)
-        )
-        for name in _COUNTERS:
-            values[name] = old[name] + values[name] if count else old[name]
-        self._ledger = torch.stack([values[name] for name in _LEDGER_FIELDS])
+            self._counters_mask = torch.tensor(
+                [name in _COUNTERS for name in _LEDGER_FIELDS], device=self.device
+            )
+            self._maximum_mask = torch.tensor(
+                [name == "max_grad_norm_seen" for name in _LEDGER_FIELDS], device=self.device
+            )
+        norm = self._scalar(step["last_grad_norm"])
+        step = {
+            **step,
+            "last_grad_norm": norm,
+            "max_grad_norm_seen": torch.where(torch.isfinite(norm), norm, 0.0),
+        }
+        if not count:
+            step.update(dict.fromkeys(_COUNTERS, 0.0))
+        this_step = torch.stack([self._scalar(step[name]) for name in _LEDGER_FIELDS])
+        # select, never multiply by a mask: a nan norm of an earlier step must not leak into other fields
+        folded = torch.where(self._counters_mask, self._ledger + this_step, this_step)
+        self._ledger = torch.where(self._maximum_mask, torch.maximum(folded, self._ledger), folded)
         self._host_ledger_fresh = False
 
     def _sync(self, *flags: Tensor | float | bool) -> list[float]:
