@@ -122,21 +122,20 @@ _CLASS_OPTIONS = (
 _CONFIG_OPTIONS = ("--config", "-c")
 
 
-def _load(text_or_path: str, base: Path) -> Any:
-    """A config given as a file (YAML or JSON) or inline; ``None`` if it is neither (left to jsonargparse)."""
+def _load(text_or_path: str, base: Path) -> tuple[Any, Path] | None:
+    """A config given as a file (YAML or JSON) or inline, and the folder its relative paths start from.
+
+    ``None`` if it is neither, or does not parse (jsonargparse then reports it in its own words).
+    """
     path = Path(text_or_path) if Path(text_or_path).is_absolute() else base / text_or_path
     try:
         if text_or_path.endswith((".yaml", ".yml", ".json")) and path.is_file():
-            return _with_base(yaml.safe_load(path.read_text()), path.parent)
+            return yaml.safe_load(path.read_text()), path.parent
         if text_or_path.lstrip().startswith(("{", "[")):
-            return yaml.safe_load(text_or_path)
-    except (OSError, yaml.YAMLError):  # jsonargparse reports a broken config in its own words
+            return yaml.safe_load(text_or_path), base
+    except (OSError, yaml.YAMLError):
         return None
     return None
-
-
-def _with_base(node: Any, base: Path) -> Any:
-    return {"__base__": base, "node": node}
 
 
 # Where a config may name a class by a plain string (an import path or another config file).
@@ -148,9 +147,7 @@ def _class_paths(node: Any, base: Path, keys: tuple[str, ...] = ()) -> Iterator[
     """The ``class_path`` values of a parsed config; config files it names for classes are read too."""
     if keys[:1] and keys[0] in _SUBCOMMANDS:  # a config for the whole command: `fit: {model: ...}`
         keys = keys[1:]
-    if isinstance(node, dict) and "__base__" in node:
-        yield from _class_paths(node["node"], node["__base__"], keys)
-    elif isinstance(node, dict):
+    if isinstance(node, dict):
         for key, value in node.items():
             if key == "class_path" and isinstance(value, str):
                 yield value
@@ -161,9 +158,10 @@ def _class_paths(node: Any, base: Path, keys: tuple[str, ...] = ()) -> Iterator[
             yield from _class_paths(value, base, keys)
     elif isinstance(node, str) and keys in _CLASS_KEYS:
         loaded = _load(node, base)
-        yield from (
-            _class_paths(loaded, base, keys) if loaded is not None else [node]
-        )  # or `model: my.Module`
+        if loaded is not None:  # `model: model.yaml`
+            yield from _class_paths(*loaded, keys)
+        else:  # `model: my.Module`
+            yield node
 
 
 def _candidate_paths(args: list[str]) -> Iterator[str]:
@@ -183,7 +181,7 @@ def _candidate_paths(args: list[str]) -> Iterator[str]:
         keys = () if is_config else tuple(option.removeprefix("--").removesuffix(".class_path").split("."))
         loaded = _load(value, cwd)
         if loaded is not None:
-            yield from _class_paths(loaded, cwd, keys)
+            yield from _class_paths(*loaded, keys)
         elif is_class:
             yield value
 
