@@ -62,21 +62,36 @@ def test_ddp_weighted_uneven_tokens_per_rank_matches_single_process_big_batch() 
     assert per_rank[0] != per_rank[1]
 
 
-def counted_trainer(*callbacks: pl.Callback, **kwargs: object) -> pl.Trainer:
-    return ddp_trainer(*callbacks, h.CommCounterLogger(), **kwargs)
+def counted_fit(make_callbacks: Any, **kwargs: object) -> tuple[pl.Trainer, h.RegressionModule]:
+    """Fit with DDP's communication counted by a comm hook.
+
+    With a Python comm hook, a gloo worker now and then aborts while the process exits, after `fit` has
+    finished ("terminate called without an active exception"; seen in about 1 run of 25, also in the run
+    without this package's callback). That crash is retried once; any other failure is not.
+    """
+    from torch.multiprocessing import ProcessExitedException
+
+    for attempt in range(2):
+        module = h.RegressionModule(h.regression_data(40))
+        trainer = ddp_trainer(*make_callbacks(), h.CommCounterLogger(), **kwargs)
+        try:
+            trainer.fit(module)
+            return trainer, module
+        except ProcessExitedException as error:
+            if attempt or error.signal_name != "SIGABRT":
+                raise
+    raise AssertionError("unreachable")
 
 
 def test_ddp_with_buffers_matches_big_batch_with_one_gradient_all_reduce_per_step() -> None:
     data = h.regression_data(40)
-    module = h.RegressionModule(data)
-    callback = GradientAccumulationCallback(2, accumulation_dtype="float64", scaling="weighted")
-    trainer = counted_trainer(callback)
-    trainer.fit(module)
+    trainer, module = counted_fit(
+        lambda: [GradientAccumulationCallback(2, accumulation_dtype="float64", scaling="weighted")]
+    )
     expected = h.big_batch_reference(h.regression_net(), data, 4 * WORLD, h.windows(5, 2), h.mse)
     assert h.max_abs_diff(module.net, expected) < 1e-6
     # the same communication as Lightning's own accumulation: one all-reduce of the gradient per step
-    builtin = counted_trainer(accumulate_grad_batches=2)
-    builtin.fit(h.RegressionModule(data))
+    builtin, _ = counted_fit(list, accumulate_grad_batches=2)
     calls, nbytes = (float(trainer.callback_metrics[k]) for k in ("comm_calls", "comm_bytes"))
     assert calls == 3  # 3 optimizer steps, 1 bucket for this small model
     assert (calls, nbytes) == tuple(float(builtin.callback_metrics[k]) for k in ("comm_calls", "comm_bytes"))
