@@ -59,7 +59,7 @@ def boundary_pass(params: list[Tensor], device: str, repeats: int) -> dict[str, 
 
     def ours() -> None:
         accumulator.record()
-        accumulator.finalize(grad_scale=1.0)
+        accumulator.finalize()
 
     def limit() -> None:
         norms = torch._foreach_norm(grads, 2.0)

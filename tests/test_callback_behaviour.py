@@ -14,7 +14,7 @@ from pytorch_lightning.callbacks import GradientAccumulationScheduler
 from pytorch_lightning.strategies import FSDPStrategy, SingleDeviceStrategy
 
 from lightning_gradacc import AccumulationStats, GradientAccumulationCallback
-from lightning_gradacc.callback import LOGGED_NAMES
+from lightning_gradacc.callback import LOGGED_STATISTICS
 from tests import helpers as h
 from tests.syncs import SyncCounter
 
@@ -29,9 +29,9 @@ def test_logs_one_point_per_optimizer_step_with_exact_values() -> None:
     callback = GradientAccumulationCallback(4, scaling="weighted")
     module = h.RegressionModule(h.regression_data(40))
     h.trainer(callbacks=[callback], logger=recorder, log_every_n_steps=1).fit(module)
-    assert h.series_steps(recorder, "grad_accum/items_per_step") == [0, 1, 2]
-    assert [v for _, v in recorder.series("grad_accum/items_per_step")] == [16, 16, 8]
-    assert [v for _, v in recorder.series("grad_accum/micro_batches_per_step")] == [4, 4, 2]
+    assert h.series_steps(recorder, "grad_accum/items_last_step") == [0, 1, 2]
+    assert [v for _, v in recorder.series("grad_accum/items_last_step")] == [16, 16, 8]
+    assert [v for _, v in recorder.series("grad_accum/micro_batches_last_step")] == [4, 4, 2]
     assert [v for _, v in recorder.series("grad_accum/accumulation_steps")] == [4, 4, 4]
     losses: list[float] = []
     h.big_batch_reference(
@@ -39,21 +39,21 @@ def test_logs_one_point_per_optimizer_step_with_exact_values() -> None:
     )
     logged = [v for _, v in recorder.series("grad_accum/window_loss")]
     assert logged == pytest.approx(losses, rel=1e-5)  # the mean loss over the whole window
-    expected_keys = {f"grad_accum/{tag}" for tag in LOGGED_NAMES.values()} | {"grad_accum/window_loss"}
+    expected_keys = {f"grad_accum/{name}" for name in LOGGED_STATISTICS} | {"grad_accum/window_loss"}
     assert expected_keys <= set(recorder.records[0][1])
-    assert set(LOGGED_NAMES) == set(AccumulationStats().as_dict()) - {"current_step"}
+    assert set(LOGGED_STATISTICS) == set(AccumulationStats().as_dict()) - {"open_window_micro_batches"}
 
 
 def test_respects_log_every_n_steps_and_log_stats() -> None:
     recorder = h.MetricsRecorder()
     module = h.RegressionModule(h.regression_data(80))
     h.trainer(callbacks=[GradientAccumulationCallback(2)], logger=recorder, log_every_n_steps=4).fit(module)
-    assert h.series_steps(recorder, "grad_accum/optimizer_steps") == [3, 7]
+    assert h.series_steps(recorder, "grad_accum/windows") == [3, 7]
     quiet = h.MetricsRecorder()
     h.trainer(
         callbacks=[GradientAccumulationCallback(2, log_stats=False)], logger=quiet, log_every_n_steps=1
     ).fit(h.RegressionModule(h.regression_data(40)))
-    assert quiet.series("grad_accum/optimizer_steps") == []
+    assert quiet.series("grad_accum/windows") == []
 
 
 def test_stats_snapshot_is_frozen_and_plain() -> None:
@@ -61,7 +61,7 @@ def test_stats_snapshot_is_frozen_and_plain() -> None:
     h.trainer(callbacks=[callback]).fit(h.RegressionModule(h.regression_data(40)))
     stats = callback.stats
     with pytest.raises(AttributeError):
-        stats.optimizer_steps = 0  # type: ignore[misc]
+        stats.windows = 0  # type: ignore[misc]
     assert all(type(v) in (int, float) for v in stats.as_dict().values())
     assert stats.num_parameters == sum(p.numel() for p in h.regression_net().parameters())
     assert stats.buffer_bytes == 0
@@ -309,5 +309,5 @@ def test_batches_without_an_inferable_size_warn_once_and_still_train() -> None:
         h.trainer(callbacks=[callback]).fit(Opaque(h.regression_data(40)))
     inferred = [w for w in caught if "Could not infer the batch size" in str(w.message)]
     assert len(inferred) == 1 and "batch 0" in str(inferred[0].message)  # 10 batches, one warning
-    assert callback.stats.optimizer_steps == 3
+    assert callback.stats.windows == 3
     assert callback.stats.items_last_step == 0

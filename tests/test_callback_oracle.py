@@ -94,7 +94,7 @@ def test_epoch_schedule(schedule: dict[int, int], k_of_epoch, steps: int) -> Non
     callback = GradientAccumulationCallback(schedule)
     module, trainer = fit_regression(callback, epochs=4)
     assert trainer.global_step == steps
-    assert callback.stats.optimizer_steps == steps
+    assert callback.stats.windows == steps
     assert h.max_abs_diff(module.net, reference(h.windows(10, k_of_epoch, epochs=4))) < 1e-6
     assert schedule == given and list(schedule) == list(given)  # the caller's dict is not mutated
 
@@ -117,7 +117,7 @@ def test_clipping_once_on_the_final_gradient() -> None:
     callback = GradientAccumulationCallback(4, max_grad_norm=0.5)
     module, _ = fit_regression(callback)
     assert h.max_abs_diff(module.net, reference(h.windows(10, 4), max_grad_norm=0.5)) < 1e-6
-    assert callback.stats.clip_count == 3
+    assert callback.stats.clipped_steps == 3
 
 
 def test_fixed_k_is_written_in_setup_for_estimated_stepping_batches() -> None:
@@ -141,7 +141,7 @@ def test_fit_twice_with_the_same_callback() -> None:
     trainer.fit(module)
     h.trainer(callbacks=[callback], max_epochs=1).fit(module)  # and again with a new Trainer
     assert h.max_abs_diff(module.net, reference(h.windows(10, 4, epochs=3))) < 1e-6
-    assert callback.stats.optimizer_steps == 9
+    assert callback.stats.windows == 9
 
 
 @pytest.mark.parametrize(
@@ -156,4 +156,4 @@ def test_clip_value_and_inf_norm_through_the_callback(options: dict, reference_o
     callback = GradientAccumulationCallback(4, **options)
     module, _ = fit_regression(callback)
     assert h.max_abs_diff(module.net, reference(h.windows(10, 4), **reference_options)) < 1e-6
-    assert callback.stats.clip_count == 3
+    assert callback.stats.clipped_steps == 3

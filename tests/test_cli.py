@@ -117,10 +117,11 @@ def test_config_runs_end_to_end(config: Path, tmp_path: Path, capsys: pytest.Cap
     args = ["fit", "--config", str(config), *QUICK, f"--trainer.logger.init_args.save_dir={tmp_path}"]
     cli = build_cli(args)
     callback = the_callback(cli)
-    assert callback.stats.optimizer_steps == cli.trainer.global_step > 0
+    assert callback.stats.windows == cli.trainer.global_step > 0
     out = capsys.readouterr().out
     assert "Gradient accumulation summary" in out
-    assert f"optimizer steps{' ' * 14}{callback.stats.optimizer_steps}\n" in out
+    stats = callback.stats
+    assert f"optimizer steps taken{' ' * 8}{stats.steps_taken} of {stats.windows} windows\n" in out
     assert str(tmp_path) in out
     assert list(tmp_path.rglob("events.out.tfevents.*"))
 
@@ -134,7 +135,7 @@ def test_ddp_config_runs_on_two_cpu_processes_with_the_console_script(tmp_path: 
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("Gradient accumulation summary") == 1  # printed by rank 0 only
     # 6 micro-batches per rank and epoch, K=2: 3 steps per epoch; 32 x 2 x 2 ranks per step
-    assert "optimizer steps              6" in result.stdout
+    assert "optimizer steps taken        6 of 6 windows" in result.stdout
     assert "128 per full step; 128 in the last step (2 of 2 micro-batches)" in result.stdout
 
 

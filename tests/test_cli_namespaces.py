@@ -63,12 +63,12 @@ def test_configs_train_under_lightning_pytorch(
     )
     callback = the_callback(cli)
     assert type(callback) is lit.GradientAccumulationCallback
-    assert callback.stats.optimizer_steps == cli.trainer.global_step > 0
+    assert callback.stats.windows == cli.trainer.global_step > 0
     assert "Gradient accumulation summary" in capsys.readouterr().out
     (events_file,) = tmp_path.rglob("events.out.tfevents.*")
     events = EventAccumulator(str(events_file.parent), size_guidance={"scalars": 0})
     events.Reload()
-    assert len(events.Scalars("grad_accum/items_per_step")) == callback.stats.optimizer_steps
+    assert len(events.Scalars("grad_accum/items_last_step")) == callback.stats.windows
 
 
 @NAMESPACES
@@ -166,7 +166,7 @@ def test_ddp_config_under_lightning_pytorch_with_the_console_script(tmp_path: Pa
     result = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("Gradient accumulation summary") == 1
-    assert "optimizer steps              6" in result.stdout
+    assert "optimizer steps taken        6 of 6 windows" in result.stdout
     assert (probe / "rank0").read_text() == (probe / "rank1").read_text() == "True"
 
 

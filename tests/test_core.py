@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import subprocess
 import sys
@@ -50,7 +52,7 @@ def test_plain_loop_matches_big_batch(scaling: str, k: int) -> None:
         sum_of_means=scaling == "sum",
     )
     assert h.max_abs_diff(net, reference) < 1e-6
-    assert accumulator.stats.optimizer_steps == math.ceil(10 / k)
+    assert accumulator.stats.windows == math.ceil(10 / k)
     assert accumulator.stats.micro_batches_last_step == (10 % k or k)
 
 
@@ -77,7 +79,7 @@ def test_clipping_matches_torch_clip_on_the_big_batch() -> None:
         h.regression_net(), h.regression_data(40), BATCH, h.windows(10, 4), h.mse, max_grad_norm=0.5
     )
     assert h.max_abs_diff(net, reference) < 1e-6
-    assert accumulator.stats.clip_count == 3  # every window's norm is above 0.5
+    assert accumulator.stats.clipped_steps == 3  # every window's norm is above 0.5
     assert accumulator.stats.last_grad_norm > 0.5
 
 
@@ -98,11 +100,11 @@ def test_clip_value_clamps_the_final_gradient_and_counts() -> None:
     accumulator.backward(net(torch.randn(8, 4)).pow(2).mean() * 100)
     assert accumulator.finalize()
     assert max(float(p.grad.abs().max()) for p in net.parameters()) == pytest.approx(1e-3)
-    assert accumulator.stats.clip_count == 1
+    assert accumulator.stats.clipped_steps == 1
     net.zero_grad()
     accumulator.backward(net(torch.zeros(8, 4)).sum() * 0)  # zero gradient: nothing to clamp
     accumulator.finalize()
-    assert accumulator.stats.clip_count == 1
+    assert accumulator.stats.clipped_steps == 1
 
 
 @pytest.mark.parametrize("bad_micro_batch", [0, 5, 9])
@@ -114,7 +116,7 @@ def test_skip_policy_drops_exactly_the_bad_window(bad_micro_batch: int) -> None:
     )
     assert h.max_abs_diff(net, reference) < 1e-6
     stats = accumulator.stats
-    assert (stats.skipped_steps, stats.overflow_count, stats.optimizer_steps) == (1, 1, 3)
+    assert (stats.skipped_steps, stats.non_finite_windows, stats.windows) == (1, 1, 3)
     assert all(torch.isfinite(p).all() for p in net.parameters())
 
 
@@ -127,7 +129,7 @@ def test_raise_policy_names_the_parameters_and_the_step() -> None:
 
 def test_ignore_policy_counts_and_steps() -> None:
     net, accumulator = run_plain_loop({"overflow": "ignore"}, 4, nan_at=(9,))
-    assert (accumulator.stats.overflow_count, accumulator.stats.skipped_steps) == (1, 0)
+    assert (accumulator.stats.non_finite_windows, accumulator.stats.skipped_steps) == (1, 0)
     assert not all(torch.isfinite(p).all() for p in net.parameters())
 
 
@@ -166,7 +168,7 @@ def test_ignore_policy_does_not_sync_at_the_boundary() -> None:
             accumulator.backward(net(torch.randn(4, 3)).sum(), items=4)
         accumulator.finalize()
     assert counter.calls == []
-    assert accumulator.stats.optimizer_steps == 1
+    assert accumulator.stats.windows == 1
 
 
 def test_tensor_item_count_is_checked_at_the_boundary() -> None:
@@ -203,7 +205,7 @@ def test_bad_item_counts_raise_at_the_boundary_naming_the_micro_batch(items: obj
     param.grad = torch.ones(1)
     accumulator.record(4)
     assert accumulator.finalize()
-    assert accumulator.stats.optimizer_steps == 2
+    assert accumulator.stats.windows == 2
 
 
 @pytest.mark.parametrize("items", [0, 2.5, np.int64(3), np.float32(1.5), np.array(2), torch.tensor(2.5)])
@@ -271,7 +273,7 @@ def test_an_empty_window_takes_no_step_and_is_counted() -> None:
     assert not accumulator.finalize()
     assert param.grad is None
     stats = accumulator.stats
-    assert (stats.empty_windows, stats.optimizer_steps, stats.skipped_steps) == (1, 1, 0)
+    assert (stats.empty_windows, stats.windows, stats.skipped_steps) == (1, 1, 0)
 
 
 def test_state_dict_round_trip_keeps_counters(tmp_path: object) -> None:
@@ -280,12 +282,8 @@ def test_state_dict_round_trip_keeps_counters(tmp_path: object) -> None:
     torch.save(accumulator.state_dict(), path)
     restored = GradAccumulator([torch.zeros(1, requires_grad=True)], 4)
     restored.load_state_dict(torch.load(path, weights_only=True))
-    assert restored.stats == accumulator.stats.__class__(
-        **{
-            **accumulator.stats.as_dict(),
-            "num_parameters": 1,
-            "peak_memory_bytes": accumulator.stats.peak_memory_bytes,
-        }
+    assert restored.stats == dataclasses.replace(
+        accumulator.stats, num_parameters=1, peak_memory_bytes=accumulator.stats.peak_memory_bytes
     )
     with pytest.raises(ValueError, match="version 99"):
         restored.load_state_dict({"version": 99})
@@ -297,7 +295,7 @@ def test_reset_discards_the_window_and_keeps_lifetime_counters() -> None:
     accumulator = GradAccumulator(net.parameters(), 4)
     accumulator.backward(net(torch.ones(1, 2)).sum())
     accumulator.reset()
-    assert accumulator.current_step == 0
+    assert accumulator.window.micro_batches == 0
     assert all(p.grad is None for p in net.parameters())
     assert accumulator.stats.total_micro_batches == 1
 

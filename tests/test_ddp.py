@@ -43,8 +43,8 @@ def test_ddp_mean_with_partial_window_matches_single_process_big_batch() -> None
     )
     assert h.max_abs_diff(module.net, expected) < 1e-6
     metrics = trainer.callback_metrics
-    assert float(metrics["grad_accum/items_per_step"]) == 8  # 1 micro-batch x 4 items x 2 ranks
-    assert float(metrics["grad_accum/optimizer_steps"]) == 3
+    assert float(metrics["grad_accum/items_last_step"]) == 8  # 1 micro-batch x 4 items x 2 ranks
+    assert float(metrics["grad_accum/windows"]) == 3
 
 
 def test_ddp_weighted_uneven_tokens_per_rank_matches_single_process_big_batch() -> None:
@@ -56,7 +56,7 @@ def test_ddp_weighted_uneven_tokens_per_rank_matches_single_process_big_batch() 
     expected = h.big_batch_reference(h.token_net(), data, 2 * WORLD, h.windows(6, 4), h.token_loss, lr=0.5)
     assert h.max_abs_diff(module.net, expected) < 1e-6
     tokens_last_window = int((data.tensors[1][16:] != h.IGNORE_INDEX).sum())
-    assert float(trainer.callback_metrics["grad_accum/items_per_step"]) == tokens_last_window
+    assert float(trainer.callback_metrics["grad_accum/items_last_step"]) == tokens_last_window
     # the per-rank token counts really are uneven in these windows
     per_rank = [int((data.tensors[1][rank::WORLD] != h.IGNORE_INDEX).sum()) for rank in range(WORLD)]
     assert per_rank[0] != per_rank[1]
@@ -106,8 +106,9 @@ def test_ddp_skip_micro_batch_is_decided_the_same_on_every_rank() -> None:
     trainer.fit(module)
     expected = h.big_batch_reference(h.regression_net(), data, 4 * WORLD, [[0, 1], [3], [4]], h.mse)
     assert h.max_abs_diff(module.net, expected) < 1e-6
-    assert float(trainer.callback_metrics["grad_accum/overflow_count"]) == 1
-    assert float(trainer.callback_metrics["grad_accum/items_per_step"]) == 8
+    assert float(trainer.callback_metrics["grad_accum/dropped_micro_batches"]) == 1
+    assert float(trainer.callback_metrics["grad_accum/non_finite_windows"]) == 0
+    assert float(trainer.callback_metrics["grad_accum/items_last_step"]) == 8
 
 
 def test_ddp_resume_mid_window_is_exact(tmp_path: Path) -> None:
@@ -129,7 +130,7 @@ def test_ddp_resume_mid_window_is_exact(tmp_path: Path) -> None:
     trainer = ddp_trainer(callback())
     trainer.fit(resumed, ckpt_path=path)
     assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6
-    assert float(trainer.callback_metrics["grad_accum/optimizer_steps"]) == 3
+    assert float(trainer.callback_metrics["grad_accum/windows"]) == 3
 
 
 class BarrierCounter(pl.Callback):
@@ -227,4 +228,4 @@ def test_ddp_target_batch_size_resolves_k_over_ranks_before_configure_optimizers
     )
     metrics = trainer.callback_metrics
     assert float(metrics["grad_accum/accumulation_steps"]) == 2
-    assert float(metrics["estimate"]) == float(metrics["grad_accum/optimizer_steps"]) == 3
+    assert float(metrics["estimate"]) == float(metrics["grad_accum/windows"]) == 3

@@ -226,7 +226,7 @@ def test_weighted_with_huge_counts_does_not_overflow_fp16() -> None:
     module = h.RegressionModule(data, lr=0.05)
     callback = GradientAccumulationCallback(4, scaling="weighted", item_count_fn=many_tokens)
     fit(module, callback, precision="16-true", max_epochs=1)
-    assert callback.stats.skipped_steps == 0 and callback.stats.overflow_count == 0
+    assert callback.stats.skipped_steps == 0 and callback.stats.non_finite_windows == 0
     assert callback.stats.items_last_step == 6 * 65_536
     # fp16 weights against an fp32 reference from the same (fp16-rounded) start: fp16 rounding only
     start = h.regression_net().half().float()
@@ -367,7 +367,7 @@ def test_training_step_returning_none(k: int, skipped: set[int], empty: int) -> 
     expected = reference(without(h.windows(10, k), skipped), max_grad_norm=0.3)
     assert h.max_abs_diff(module.net, expected) < 1e-6
     assert callback.stats.empty_windows == empty
-    assert callback.stats.optimizer_steps == len(h.windows(10, k))
+    assert callback.stats.windows == len(h.windows(10, k))
 
 
 @pytest.mark.parametrize("accumulation_dtype", [None, "float64"])
@@ -477,7 +477,7 @@ def test_micro_batches_and_windows_with_zero_items(counter: Any) -> None:
     )
     assert h.max_abs_diff(module.net, expected) < 1e-6
     stats = callback.stats
-    assert (stats.empty_windows, stats.skipped_steps, stats.optimizer_steps) == (1, 0, 3)
+    assert (stats.empty_windows, stats.skipped_steps, stats.windows) == (1, 0, 3)
     assert math.isnan(callback.metrics()["grad_accum/window_loss"])  # the empty window has no loss
 
 
@@ -613,7 +613,7 @@ def test_lbfgs_closure_evaluations_are_not_counted_as_windows() -> None:
     plain = LBFGSModule(h.regression_data(40))
     fit(plain)
     assert h.max_abs_diff(module.net, plain.net) < 1e-6  # K=1: nothing to change
-    assert callback.stats.optimizer_steps == trainer.global_step == 10
+    assert callback.stats.windows == trainer.global_step == 10
     assert callback.stats.total_micro_batches == 10
 
 
@@ -727,7 +727,7 @@ def test_a_used_callback_pickles_for_ddp_spawn() -> None:
     callback = GradientAccumulationCallback(2)
     fit(h.RegressionModule(h.regression_data(40)), callback)
     restored = pickle.loads(pickle.dumps(callback))
-    assert restored.stats.optimizer_steps == callback.stats.optimizer_steps == 5
+    assert restored.stats.windows == callback.stats.windows == 5
 
 
 class ValidatedModule(h.RegressionModule):
@@ -751,4 +751,4 @@ def test_validating_a_mid_window_checkpoint_leaves_the_next_fit_alone(tmp_path: 
     fit(module, callback)  # a fresh fit from the validated weights: the checkpoint's window is not its
     expected = h.big_batch_reference(loaded, h.regression_data(40), BATCH, h.windows(10, 4), h.mse)
     assert h.max_abs_diff(module.net, expected) < 1e-6
-    assert (callback.stats.optimizer_steps, callback.stats.total_micro_batches) == (3, 10)
+    assert (callback.stats.windows, callback.stats.total_micro_batches) == (3, 10)

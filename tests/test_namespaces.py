@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import lightning_gradacc.lightning as lit
 from lightning_gradacc import GradientAccumulationCallback
-from lightning_gradacc.callback import LOGGED_NAMES
+from lightning_gradacc.callback import LOGGED_STATISTICS
 from tests import helpers as h
 
 BATCH = 4
@@ -121,9 +121,9 @@ def test_tensorboard_gets_every_statistic_once_per_step(ns: str, tmp_path: Path)
     fit(ns, h.accumulation_callback(ns, 4), logger=logger, log_every_n_steps=1)
     events = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"scalars": 0})
     events.Reload()
-    tags = {f"grad_accum/{tag}" for tag in LOGGED_NAMES.values()} | {"grad_accum/window_loss"}
+    tags = {f"grad_accum/{name}" for name in LOGGED_STATISTICS} | {"grad_accum/window_loss"}
     assert set(events.Tags()["scalars"]) >= tags
-    assert [e.value for e in events.Scalars("grad_accum/micro_batches_per_step")] == [4, 4, 2]
+    assert [e.value for e in events.Scalars("grad_accum/micro_batches_last_step")] == [4, 4, 2]
 
 
 @pytest.mark.slow
@@ -143,7 +143,7 @@ def test_ddp_two_processes_under_lightning_pytorch() -> None:
     trainer.fit(module)
     expected = h.big_batch_reference(h.token_net(), data, 4, h.windows(6, 4), h.token_loss, lr=0.5)
     assert h.max_abs_diff(module.net, expected) < 1e-6
-    assert float(trainer.callback_metrics["grad_accum/optimizer_steps"]) == 2
+    assert float(trainer.callback_metrics["grad_accum/windows"]) == 2
 
 
 # ------------------------------------------------------------------------- the trees do not mix

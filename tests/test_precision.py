@@ -98,7 +98,8 @@ def test_skip_micro_batch_steps_with_the_rest_of_the_window(bad: list[int]) -> N
     windows = [[b for b in window if b not in bad] for window in h.windows(10, 4)]
     assert h.max_abs_diff(module.net, reference(windows)) < 1e-6
     stats = callback.stats
-    assert (stats.overflow_count, stats.skipped_steps, stats.optimizer_steps) == (len(bad), 0, 3)
+    assert (stats.dropped_micro_batches, stats.non_finite_windows, stats.skipped_steps) == (len(bad), 0, 0)
+    assert stats.windows == stats.steps_taken == 3
     # the last window has micro-batches 8 and 9 of 4 samples; a dropped one does not count
     assert stats.items_last_step == 4 * len(windows[-1])
 
@@ -115,7 +116,8 @@ def test_a_window_without_any_finite_micro_batch_is_skipped() -> None:
     module = h.RegressionModule(h.regression_data(40), nan_at=[2, 3])
     with pytest.warns(UserWarning, match="skipped"):
         h.trainer(callbacks=[callback]).fit(module)
-    assert (callback.stats.overflow_count, callback.stats.skipped_steps) == (2, 1)
+    stats = callback.stats
+    assert (stats.dropped_micro_batches, stats.non_finite_windows, stats.skipped_steps) == (2, 0, 1)
     windows = h.windows(10, 2)
     assert h.max_abs_diff(module.net, reference(windows, skip_windows=[1])) < 1e-6
 
@@ -136,7 +138,7 @@ def test_skip_micro_batch_does_not_sync_while_accumulating() -> None:
         with counter.counting():
             assert accumulator.finalize()
         assert counter.calls == ["tolist"]
-    assert accumulator.stats.overflow_count == 1
+    assert (accumulator.stats.dropped_micro_batches, accumulator.stats.non_finite_windows) == (1, 0)
 
 
 def test_micro_batch_clipping_clips_each_micro_batch_before_adding() -> None:
@@ -161,7 +163,7 @@ def test_micro_batch_clipping_clips_each_micro_batch_before_adding() -> None:
             p.grad = t / len(window)
         optimizer.step()
     assert h.max_abs_diff(module.net, expected) < 1e-6
-    assert callback.stats.clip_count > 0
+    assert callback.stats.clipped_steps > 0
 
 
 # ---------------------------------------------------------------------------------- 16-mixed + buffers
@@ -175,7 +177,7 @@ def test_16_mixed_with_buffers_unscales_and_keeps_the_scaler_working() -> None:
     # the reference runs the same fp16 autocast: what is left is micro- vs big-batch fp16 rounding (4e-5)
     expected = reference(h.windows(10, 4), skip_windows=[1], fp16_autocast=True)
     assert h.max_abs_diff(module.net, expected) < 2e-4
-    assert (callback.stats.overflow_count, callback.stats.skipped_steps) == (1, 1)
+    assert (callback.stats.non_finite_windows, callback.stats.skipped_steps) == (1, 1)
     assert plugin.scaler.get_scale() == 2.0**7  # the scaler saw the overflow and backed off
 
 

@@ -76,7 +76,7 @@ def test_resume_mid_window_equals_the_uninterrupted_run(
     expected = uninterrupted(optimizer, scaling)
     resumed, callback = interrupted_and_resumed(tmp_path, at, optimizer, scaling)
     assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6
-    assert callback.stats.optimizer_steps == 6
+    assert callback.stats.windows == 6
     assert callback.stats.total_micro_batches == 20
 
 
@@ -108,7 +108,7 @@ def test_state_loads_with_weights_only(tmp_path: Path) -> None:
     assert window["micro_batches"] == 2  # micro-batches 4 and 5 of the second window
     assert window["items"] == 8
     assert set(window["tensors"]) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
-    assert state["accumulator"]["optimizer_steps"] == 1
+    assert state["accumulator"]["windows"] == 1
 
 
 def test_crash_checkpoint_resumes_exactly(tmp_path: Path) -> None:
@@ -154,7 +154,7 @@ def test_checkpoint_from_builtin_accumulation_loads(tmp_path: Path) -> None:
     trainer.save_checkpoint(path)
     callback = make_callback("mean")
     h.trainer(callbacks=[callback], max_epochs=2).fit(module("sgd"), ckpt_path=path)
-    assert callback.stats.optimizer_steps == 3
+    assert callback.stats.windows == 3
 
 
 def _tamper(path: Path, change: Any) -> Path:
@@ -210,7 +210,7 @@ def test_pending_window_is_restored_with_a_plain_dataloader(tmp_path: Path) -> N
     class Probe(pl.Callback):
         def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
             accumulator = callback.accumulator
-            seen["current_step"] = accumulator.current_step if accumulator is not None else None
+            seen["current_step"] = accumulator.window.micro_batches if accumulator is not None else None
             seen["grads"] = {n: p.grad.clone() for n, p in pl_module.named_parameters()}
 
     callback = make_callback("mean")

@@ -18,10 +18,10 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_gradacc import GradientAccumulationCallback
-from lightning_gradacc.callback import LOGGED_NAMES
+from lightning_gradacc.callback import LOGGED_STATISTICS
 from tests import helpers as h
 
-TAGS = {f"grad_accum/{tag}" for tag in LOGGED_NAMES.values()} | {"grad_accum/window_loss"}
+TAGS = {f"grad_accum/{name}" for name in LOGGED_STATISTICS} | {"grad_accum/window_loss"}
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +41,17 @@ def test_every_scalar_has_one_point_per_optimizer_step(finished_run) -> None:
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     events.Reload()
     assert set(events.Tags()["scalars"]) >= TAGS
-    steps = callback.stats.optimizer_steps
+    steps = callback.stats.windows
     assert steps == 6
     for tag in TAGS:
         assert [e.step for e in events.Scalars(tag)] == list(range(steps)), tag  # Lightning's step axis
-    assert [e.value for e in events.Scalars("grad_accum/items_per_step")] == [16, 16, 8] * 2
-    assert [e.value for e in events.Scalars("grad_accum/micro_batches_per_step")] == [4, 4, 2] * 2
-    assert [e.value for e in events.Scalars("grad_accum/optimizer_steps")] == list(range(1, steps + 1))
-    norms = [e.value for e in events.Scalars("grad_accum/grad_norm")]
-    clips = [e.value for e in events.Scalars("grad_accum/clip_count")]
-    assert clips[-1] == sum(n > 0.5 for n in norms) == callback.stats.clip_count
-    assert events.Scalars("grad_accum/grad_norm")[-1].value == pytest.approx(callback.stats.last_grad_norm)
+    assert [e.value for e in events.Scalars("grad_accum/items_last_step")] == [16, 16, 8] * 2
+    assert [e.value for e in events.Scalars("grad_accum/micro_batches_last_step")] == [4, 4, 2] * 2
+    assert [e.value for e in events.Scalars("grad_accum/windows")] == list(range(1, steps + 1))
+    norms = [e.value for e in events.Scalars("grad_accum/last_grad_norm")]
+    clips = [e.value for e in events.Scalars("grad_accum/clipped_steps")]
+    assert clips[-1] == sum(n > 0.5 for n in norms) == callback.stats.clipped_steps
+    assert events.Scalars("grad_accum/last_grad_norm")[-1].value == pytest.approx(callback.stats.last_grad_norm)
 
 
 def _free_port() -> int:
@@ -84,7 +84,7 @@ def test_tensorboard_server_serves_the_scalars(finished_run) -> None:
                 tags = _get_json(f"{base}/tags")  # type: ignore[assignment]
             time.sleep(0.5)
         assert set(tags["version_0"]) >= TAGS
-        query = urllib.parse.urlencode({"run": "version_0", "tag": "grad_accum/items_per_step"})
+        query = urllib.parse.urlencode({"run": "version_0", "tag": "grad_accum/items_last_step"})
         points = _get_json(f"{base}/scalars?{query}")
         assert [(step, value) for _, step, value in points] == list(enumerate([16, 16, 8] * 2))  # type: ignore[misc]
     finally:

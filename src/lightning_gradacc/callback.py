@@ -36,23 +36,12 @@ else:
     _LogicBase = object
 
 _STATE_VERSION = 2  # 2: adds the open window; 1 (counters only) still loads
-# Logged tag (under "grad_accum/") of each statistic; per-step quantities read better without "last".
-LOGGED_NAMES = {
-    "accumulation_steps": "accumulation_steps",
-    "optimizer_steps": "optimizer_steps",
-    "total_micro_batches": "total_micro_batches",
-    "skipped_steps": "skipped_steps",
-    "overflow_count": "overflow_count",
-    "clip_count": "clip_count",
-    "empty_windows": "empty_windows",
-    "last_grad_norm": "grad_norm",
-    "max_grad_norm_seen": "max_grad_norm_seen",
-    "items_last_step": "items_per_step",
-    "micro_batches_last_step": "micro_batches_per_step",
-    "num_parameters": "num_parameters",
-    "buffer_bytes": "buffer_bytes",
-    "peak_memory_bytes": "peak_memory_bytes",
-}
+# Statistics logged under "grad_accum/" with their own names (all but the open window's micro-batches).
+LOGGED_STATISTICS = tuple(
+    name
+    for name in (*AccumulationStats.__dataclass_fields__, "steps_taken")
+    if name != "open_window_micro_batches"
+)
 SCHEDULER_CONFLICT = (
     "You are using Lightning's `GradientAccumulationScheduler` and `GradientAccumulationCallback`. Remove the"
     " scheduler and pass its schedule as `GradientAccumulationCallback(accumulation_steps={epoch: K})`."
@@ -187,6 +176,8 @@ class GradientAccumulationLogic(_LogicBase):
             is fine (no sync). A micro-batch with 0 items weighs nothing.
         max_grad_norm: Clip the total gradient norm to this value once per optimizer step.
         norm_type: Order of the norm (any ``p > 0``, or ``inf``).
+        clip_scope: ``"global"`` clips the norm of all gradients together (as ``gradient_clip_val``);
+            ``"parameter"`` rescales each parameter's gradient whose own norm exceeds ``max_grad_norm``.
         clip_value: Clamp each gradient element to ``[-clip_value, clip_value]`` once per step.
         overflow: Non-finite gradient policy: ``"skip"`` the step, ``"raise"``
             :class:`~lightning_gradacc.GradientOverflowError`, ``"ignore"`` (count only), or
@@ -228,6 +219,7 @@ class GradientAccumulationLogic(_LogicBase):
         item_count_fn: ItemCountFn | None = None,
         max_grad_norm: float | None = None,
         norm_type: float = 2.0,
+        clip_scope: Literal["global", "parameter"] = "global",
         clip_value: float | None = None,
         overflow: Literal["skip", "raise", "ignore", "skip_micro_batch"] = "skip",
         log_stats: bool = True,
@@ -239,6 +231,7 @@ class GradientAccumulationLogic(_LogicBase):
             scaling=scaling,
             max_grad_norm=max_grad_norm,
             norm_type=norm_type,
+            clip_scope=clip_scope,
             clip_value=clip_value,
             overflow=overflow,
             accumulation_dtype=accumulation_dtype,
@@ -386,7 +379,7 @@ class GradientAccumulationLogic(_LogicBase):
             self._api.rank_zero_warn(
                 f"`overflow={self.settings.overflow!r}` cannot take effect under a GradScaler"
                 " (`precision='16-mixed'`): the scaler skips steps with non-finite gradients and lowers its"
-                " scale; those overflows are counted in `overflow_count` and `skipped_steps`."
+                " scale; those overflows are counted in `non_finite_windows` and `skipped_steps`."
             )
 
     def _describe_plan(self) -> str:
@@ -530,8 +523,10 @@ class GradientAccumulationLogic(_LogicBase):
             _optimized_parameters(trainer, pl_module),  # without `strategy.reduce`'s barrier before each
             k,
             world_size=world_size,
-            **vars(self.settings),
+            settings=self.settings,
+            grad_scaler=self._scaler,
         )
+        accumulator.loss_scale = 1.0 / k  # Lightning divides every loss by K
         self._signature = _param_groups_signature(trainer)
         # Lifetime counters survive a second `fit()` and a resume from a checkpoint.
         state = (
@@ -541,7 +536,6 @@ class GradientAccumulationLogic(_LogicBase):
         )
         if state is not None:
             accumulator.load_state_dict(state)
-            accumulator.accumulation_steps = k
         self._restore_window(trainer, accumulator)  # validates everything before it changes anything
         self._loaded_state = None
         self._accumulator = accumulator
@@ -549,7 +543,7 @@ class GradientAccumulationLogic(_LogicBase):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._accumulator is not None and self._accumulator.current_step:
+        if self._accumulator is not None and not self._accumulator.window.empty:
             self._discard_window(
                 trainer, "the previous epoch ended inside it, e.g. `on_train_batch_start` returned -1"
             )
@@ -562,8 +556,9 @@ class GradientAccumulationLogic(_LogicBase):
         trainer.accumulate_grad_batches = k
         self._applied_k = k
         self._applied_to = weakref.ref(trainer)
-        if self._accumulator is not None:
-            self._accumulator.accumulation_steps = k  # raises if a window were open
+        if self._accumulator is not None:  # both raise if a window were open
+            self._accumulator.accumulation_steps = k
+            self._accumulator.loss_scale = 1.0 / k
 
     def _follow_param_groups(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Track a parameter group added (or changed) since the last look, e.g. by ``BaseFinetuning``.
@@ -580,9 +575,9 @@ class GradientAccumulationLogic(_LogicBase):
         """Drop an open window that can no longer end in a step: windows never merge."""
         assert self._accumulator is not None
         self._api.rank_zero_warn(
-            f"A window of {self._accumulator.current_step} micro-batch(es) never reached its optimizer step"
-            f" ({why}); its gradients are discarded so that it does not leak into the next window (global"
-            f" step {trainer.global_step})."
+            f"A window of {self._accumulator.window.micro_batches} micro-batch(es) never reached its"
+            f" optimizer step ({why}); its gradients are discarded so that it does not leak into the next"
+            f" window (global step {trainer.global_step})."
         )
         self._accumulator.reset(set_grads_to_none=True)
 
@@ -597,9 +592,9 @@ class GradientAccumulationLogic(_LogicBase):
         self._stepped = self._backward_in_batch = self._finalized_in_batch = False
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
         if not trainer.fit_loop._skip_backward:
-            if accumulator.current_step and lightning_zeroes:
+            if not accumulator.window.empty and lightning_zeroes:
                 self._discard_window(trainer, f"Lightning starts a new window at batch {batch_idx}")
-            elif not accumulator.current_step and not lightning_zeroes:
+            elif accumulator.window.empty and not lightning_zeroes:
                 # A window opening where Lightning does not zero the gradients (the batch before was None
                 # from the dataloader, which skips every hook): it must not start from the last one's.
                 accumulator.reset(set_grads_to_none=True)
@@ -629,19 +624,6 @@ class GradientAccumulationLogic(_LogicBase):
                     " statistic will not count such batches. Scaling is unaffected."
                 )
 
-    def _amp_scale(self) -> Tensor | None:
-        """The GradScaler's scale as a device tensor (``get_scale()`` would sync with the host)."""
-        if self._scaler is None or not self._scaler.is_enabled():
-            return None
-        scale = getattr(self._scaler, "_scale", None)
-        if not isinstance(scale, Tensor):
-            raise RuntimeError(
-                f"The GradScaler ({type(self._scaler).__name__}) keeps no tensor `_scale`, which the callback"
-                " reads (without a host sync) to undo the loss scale in its statistics and clipping. Use"
-                " `torch.amp.GradScaler`."
-            )
-        return scale
-
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         accumulator = self._accumulator
@@ -652,12 +634,10 @@ class GradientAccumulationLogic(_LogicBase):
         self._pending_count = count
         weighted = self.settings.scaling == "weighted"
         # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed.
-        # It is kept as is (finalize's loss_scale undoes K and the scale once per window); only a loss about
+        # It is recorded as is (the core divides K and the AMP scale out once per window); only a loss about
         # to be weighted in place needs a copy.
         self._pending_loss = loss.detach().clone() if weighted else loss.detach()
-        weight = count.weight
-        if weighted and (isinstance(weight, Tensor) or weight != 1.0):
-            loss.mul_(weight.to(loss.device, non_blocking=True) if isinstance(weight, Tensor) else weight)
+        count.weigh_loss(loss, in_place=True)
         if (trainer.world_size > 1 or self._scaler is not None) and not _should_accumulate(trainer):
             # Buffers go back into .grad before the last backward of the window, so that DDP's one
             # all-reduce carries the whole window and the GradScaler unscales and checks all of it.
@@ -667,18 +647,8 @@ class GradientAccumulationLogic(_LogicBase):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._accumulator is not None
         self._follow_param_groups(trainer, pl_module)
-        grad_scale: float | Tensor = 1.0
-        if (
-            self.settings.clip_mode == "micro_batch"
-        ):  # the factor between each micro-batch's gradient and .grad
-            scale = self._amp_scale()
-            grad_scale = 1.0 / trainer.accumulate_grad_batches
-            grad_scale = grad_scale * scale if scale is not None else grad_scale
         self._accumulator.record(
-            self._pending_count,
-            self._pending_loss,
-            grad_scale=grad_scale,
-            reevaluation=self._finalized_in_batch,
+            self._pending_count, self._pending_loss, reevaluation=self._finalized_in_batch
         )
         self._backward_in_batch = True
         self._pending_loss = self._pending_count = None
@@ -697,21 +667,14 @@ class GradientAccumulationLogic(_LogicBase):
         steps_itself = (
             self._scaler is not None
             and not self._backward_in_batch
-            and accumulator.current_step > 0
+            and not accumulator.window.empty
             and not self._finalized_in_batch
         )
         if steps_itself:
             assert self._scaler is not None
             accumulator.flush_to_grad()  # the scaler unscales and checks `.grad`
             self._scaler.unscale_(optimizer)
-        k = trainer.accumulate_grad_batches
-        scale = self._amp_scale()
-        stepped = accumulator.finalize(
-            grad_scale=1.0 / k,
-            overflow_handled_externally=self._scaler is not None,
-            loss_scale=k / scale if scale is not None else k,
-            reevaluation=self._finalized_in_batch,
-        )
+        stepped = accumulator.finalize(reevaluation=self._finalized_in_batch)
         self._finalized_in_batch = self._stepped = True
         if steps_itself:
             assert self._scaler is not None
@@ -765,11 +728,11 @@ class GradientAccumulationLogic(_LogicBase):
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1)
 
     def metrics(self) -> dict[str, float]:
-        """The logged scalars: the statistics but ``current_step`` (``LOGGED_NAMES``), and ``window_loss``."""
+        """The logged scalars: ``LOGGED_STATISTICS`` and ``window_loss``, under ``grad_accum/``."""
         if self._accumulator is None:
             return {}
         stats = self._accumulator.stats.as_dict()
-        logged = {f"grad_accum/{tag}": float(stats[name]) for name, tag in LOGGED_NAMES.items()}
+        logged = {f"grad_accum/{name}": float(stats[name]) for name in LOGGED_STATISTICS}
         logged["grad_accum/window_loss"] = self._accumulator.window_loss
         return logged
 
@@ -791,10 +754,10 @@ class GradientAccumulationLogic(_LogicBase):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._accumulator is not None and self._accumulator.current_step:
+        if self._accumulator is not None and not self._accumulator.window.empty:
             self._api.rank_zero_warn(
-                f"Training ended inside a window: {self._accumulator.current_step} micro-batch(es) were"
-                " back-propagated but never stepped; their gradients are discarded."
+                f"Training ended inside a window: {self._accumulator.window.micro_batches} micro-batch(es)"
+                " were back-propagated but never stepped; their gradients are discarded."
             )
             self._accumulator.reset(set_grads_to_none=False)
 
@@ -808,9 +771,6 @@ class GradientAccumulationLogic(_LogicBase):
         """
         accumulator = self._accumulator
         window = accumulator.window_state_dict() if accumulator is not None else None
-        if window is not None:
-            window["accumulate_grad_batches"] = self._applied_k
-            window["amp_scale"] = float(self._scaler.get_scale()) if self._scaler is not None else None
         return {
             "version": _STATE_VERSION,
             "accumulator": accumulator.state_dict() if accumulator is not None else None,
@@ -834,12 +794,10 @@ class GradientAccumulationLogic(_LogicBase):
         window, self._loaded_window = self._loaded_window, None
         if window is None:
             return
-        # The saved sum was made with loss / K_saved (times the AMP scale then): bring it to today's units.
-        rescale = window.get("accumulate_grad_batches") or trainer.accumulate_grad_batches
-        rescale /= trainer.accumulate_grad_batches
-        if self._scaler is not None and window.get("amp_scale"):
-            rescale *= float(self._scaler.get_scale()) / window["amp_scale"]
-        accumulator.load_window_state_dict(window, primary=trainer.global_rank == 0, rescale=rescale)
+        if "loss_scale" not in window:  # saved by 0.1: the callback kept K and the AMP scale beside it
+            k = window.get("accumulate_grad_batches") or trainer.accumulate_grad_batches
+            window = {**window, "loss_scale": 1.0 / k, "amp_scale": window.get("amp_scale") or 1.0}
+        accumulator.load_window_state_dict(window, primary=trainer.global_rank == 0)
 
 
 class GradientAccumulationCallback(GradientAccumulationLogic, pl.Callback):

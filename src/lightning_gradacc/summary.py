@@ -31,24 +31,25 @@ def format_summary(
         full_step_items: Items in a full window (micro-batch size x K x ranks), when known.
 
     Example:
-        >>> print(format_summary(AccumulationStats(accumulation_steps=4, optimizer_steps=3), 0.5, None))
+        >>> print(format_summary(AccumulationStats(accumulation_steps=4, windows=3), 0.5, None))
         Gradient accumulation summary
         ---------------------------------------------------------------
-        optimizer steps              3
+        optimizer steps taken        3 of 3 windows
         accumulation steps (K)       4
         ...
         logs                         no logger
     """
     k = stats.accumulation_steps
     rows = [
-        ("optimizer steps", f"{stats.optimizer_steps:,}"),
+        ("optimizer steps taken", f"{stats.steps_taken:,} of {stats.windows:,} windows"),
         ("accumulation steps (K)", str(k)),
         ("effective batch (items)", _effective_batch(stats, full_step_items)),
         ("micro-batches", f"{stats.total_micro_batches:,}"),
         ("skipped steps", f"{stats.skipped_steps:,}"),
         ("empty windows (no step)", f"{stats.empty_windows:,}"),
-        ("non-finite windows", f"{stats.overflow_count:,}"),
-        ("clipped steps", f"{stats.clip_count:,}"),
+        ("non-finite windows", f"{stats.non_finite_windows:,}"),
+        ("dropped micro-batches", f"{stats.dropped_micro_batches:,}"),
+        ("clipped steps", f"{stats.clipped_steps:,}"),
         ("last grad norm", f"{stats.last_grad_norm:.4g} (max seen {stats.max_grad_norm_seen:.4g})"),
         ("last window loss", "n/a" if math.isnan(window_loss) else f"{window_loss:.4f}"),
         ("peak memory (last window)", _bytes(stats.peak_memory_bytes)),

@@ -55,4 +55,4 @@ def test_num_stepping_batches_accumulate_gradients(tmp_path, accumulation, expec
     assert model.estimated == expected_steps
     assert trainer.estimated_stepping_batches == expected_steps
     assert trainer.global_step == expected_steps
-    assert callback.stats.optimizer_steps == expected_steps
+    assert callback.stats.windows == expected_steps

@@ -81,7 +81,7 @@ def test_finetuning_callback(tmp_path):
     trainer.fit(model)
 
     assert model.backbone.has_been_used
-    assert accumulation.stats.optimizer_steps == 8 * 2
+    assert accumulation.stats.windows == 8 * 2
 
 
 def _plain_finetuning(
@@ -343,7 +343,7 @@ def test_base_finetuning_matches_plain_loop(tmp_path, finetuning_first):
         torch.testing.assert_close(
             value, expected.layer.state_dict()[name], rtol=0, atol=1e-6, msg=f"layer.{name} differs"
         )
-    assert accumulation.stats.optimizer_steps == 4 * 2
+    assert accumulation.stats.windows == 4 * 2
 
 
 class TestCallbacksRestoreCallback(BaseFinetuning):
@@ -464,4 +464,4 @@ def test_callbacks_restore_backbone(tmp_path):
         **QUIET,
     )
     trainer.fit(BackboneBoringModel(), ckpt_path=ckpt.last_model_path)
-    assert accumulation.stats.optimizer_steps == 3 * 2
+    assert accumulation.stats.windows == 3 * 2

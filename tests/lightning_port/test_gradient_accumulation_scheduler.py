@@ -114,7 +114,7 @@ def test_accumulation_schedule_matches_plain_loop(tmp_path, schedule, ks):
     expected = plain_reference(initial, model.data, 10, ks)
     assert max_abs_diff(model.layer, expected) < 1e-6
     assert trainer.global_step == sum(math.ceil(10 / k) for k in ks)
-    assert callback.stats.optimizer_steps == trainer.global_step
+    assert callback.stats.windows == trainer.global_step
     assert callback.stats.total_micro_batches == 40
 
 

@@ -174,7 +174,7 @@ def test_loop_state_on_exception(accumulate_grad_batches, stop_epoch, stop_batch
 
     # the callback saved its counters and the micro-batches of the open window
     state = _callback_state(checkpoint)
-    assert state["accumulator"]["optimizer_steps"] == nbe_total_opt_steps + be_total_opt_steps
+    assert state["accumulator"]["windows"] == nbe_total_opt_steps + be_total_opt_steps
     assert state["accumulator"]["total_micro_batches"] == nbe_batches_completed + be_batches_completed
     open_micro_batches = stop_batch % accumulate_grad_batches
     if open_micro_batches:
@@ -234,7 +234,7 @@ def test_loop_state_on_exception(accumulate_grad_batches, stop_epoch, stop_batch
     trainer.fit(model, ckpt_path=ckpt_path, weights_only=True)
     steps_per_epoch = -(-n_batches // accumulate_grad_batches)
     assert trainer.global_step == n_epochs * steps_per_epoch
-    assert callback.stats.optimizer_steps == n_epochs * steps_per_epoch
+    assert callback.stats.windows == n_epochs * steps_per_epoch
     assert callback.stats.total_micro_batches == n_epochs * n_batches
     assert callback.stats.micro_batches_last_step == (
         n_batches % accumulate_grad_batches or accumulate_grad_batches
@@ -289,4 +289,4 @@ def test_validation_during_gradient_accumulation_window(tmp_path):
             (nn.functional.mse_loss(out, torch.ones_like(out)) / 3).backward()
         opt.step()
     assert max_abs_diff(model.layer, expected) < 1e-6
-    assert callback.stats.optimizer_steps == 2
+    assert callback.stats.windows == 2

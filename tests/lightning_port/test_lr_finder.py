@@ -54,7 +54,7 @@ def test_accumulation_and_early_stopping(tmp_path):
     assert trainer.callbacks.count(callback) == 1
     trainer.fit(model)
     assert callback.stats.accumulation_steps == 2
-    assert callback.stats.optimizer_steps == 128
+    assert callback.stats.windows == 128
 
 
 # Original: test_accumulation_and_early_stopping (K given to the callback only)
@@ -79,7 +79,7 @@ def test_accumulation_and_early_stopping_with_callback_k(tmp_path, use_tuner):
     else:
         trainer.fit(model)
         lr_finder = finder.optimal_lr
-        assert callback.stats.optimizer_steps == 128  # the real fit: 4 epochs of 64 micro-batches, K=2
+        assert callback.stats.windows == 128  # the real fit: 4 epochs of 64 micro-batches, K=2
 
     assert lr_finder.suggestion() != 1e-3
     assert len(lr_finder.results["lr"]) == len(lr_finder.results["loss"]) == 100
@@ -130,5 +130,5 @@ def test_trainer_reset_correctly(tmp_path):
 
     # a fit afterwards counts only its own micro-batches (the search ran with the callbacks swapped out)
     trainer.fit(model)
-    assert callback.stats.optimizer_steps == 32
+    assert callback.stats.windows == 32
     assert callback.stats.total_micro_batches == 64

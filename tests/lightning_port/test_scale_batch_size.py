@@ -72,7 +72,7 @@ def test_batch_size_finder_callback(tmp_path, accumulation, expected_k):
     assert trainer.global_step == expected_steps * max_epochs
     assert trainer.current_epoch == max_epochs
     assert loop.epoch_loop.batch_progress.total.completed == micro_batches * max_epochs
-    assert callback.stats.optimizer_steps == expected_steps * max_epochs
+    assert callback.stats.windows == expected_steps * max_epochs
     assert callback.stats.total_micro_batches == micro_batches * max_epochs  # the trials are not counted
 
     assert not any(f for f in os.listdir(tmp_path) if f.startswith(".scale_batch_size_temp_model"))
@@ -121,5 +121,5 @@ def test_trainer_reset_correctly(tmp_path):
 
     # a fit afterwards with the found batch size (16): 4 micro-batches in windows of 2
     trainer.fit(model)
-    assert callback.stats.optimizer_steps == 2
+    assert callback.stats.windows == 2
     assert callback.stats.total_micro_batches == 4

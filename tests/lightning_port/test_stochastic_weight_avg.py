@@ -165,7 +165,7 @@ def train_with_swa(
     assert trainer.lightning_module == model
     # 5 training epochs of 5 micro-batches in windows 2, 2, 1; the BatchNorm epoch only closes empty windows
     stats = accumulation.stats
-    assert stats.optimizer_steps - stats.empty_windows == max_epochs * 3
+    assert stats.windows - stats.empty_windows == max_epochs * 3
     assert stats.total_micro_batches == max_epochs * 5
     assert (stats.empty_windows > 0) == batchnorm
 
@@ -352,7 +352,7 @@ def _swa_resume_training_from_checkpoint(tmp_path, model, resume_model):
         trainer.fit(resume_model, ckpt_path=ckpt_path, weights_only=False)
     # counters survive the resume: 3 steps per training epoch, none in the BatchNorm epoch
     stats = accumulation.stats
-    assert stats.optimizer_steps - stats.empty_windows == 5 * 3
+    assert stats.windows - stats.empty_windows == 5 * 3
     assert stats.total_micro_batches == 5 * 5
 
 
@@ -416,7 +416,7 @@ def test_swa_with_infinite_epochs_and_batchnorm(tmp_path):
     assert trainer.current_epoch == 10
     assert trainer.global_step == 30
     assert trainer.max_epochs == -1
-    assert accumulation.stats.optimizer_steps == 30
+    assert accumulation.stats.windows == 30
     assert accumulation.stats.micro_batches_last_step == 1
 
     assert swa_callback.n_averaged is not None

@@ -59,11 +59,11 @@ def test_tensorboard_with_accumulated_gradients(mock_log_metrics, tmp_path):
     count_steps = [c["step"] for c in calls if "foo_step" in c["metrics"]]
     assert count_steps == model.indexes
 
-    stats_steps = [c["step"] for c in calls if "grad_accum/optimizer_steps" in c["metrics"]]
+    stats_steps = [c["step"] for c in calls if "grad_accum/windows" in c["metrics"]]
     assert stats_steps == model.indexes
     # the statistic logged at step s counts s + 1 optimizer steps
     assert [
-        c["metrics"]["grad_accum/optimizer_steps"]
+        c["metrics"]["grad_accum/windows"]
         for c in calls
-        if "grad_accum/optimizer_steps" in c["metrics"]
+        if "grad_accum/windows" in c["metrics"]
     ] == [s + 1 for s in model.indexes]

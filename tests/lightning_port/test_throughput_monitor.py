@@ -130,5 +130,5 @@ def test_throughput_monitor_fit_gradient_accumulation(log_every_n_steps, tmp_pat
     ]
     expected_log_calls = all_log_calls[(log_every_n_steps - 1) :: log_every_n_steps]
     assert logger_mock.log_metrics.mock_calls == expected_log_calls
-    assert accumulation.stats.optimizer_steps == 6
+    assert accumulation.stats.windows == 6
     assert accumulation.stats.micro_batches_last_step == 1

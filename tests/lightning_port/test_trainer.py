@@ -136,10 +136,10 @@ def test_trainer_max_steps_accumulate_batches(tmp_path):
 
     assert trainer.state.finished, f"Training failed with {trainer.state}"
     assert trainer.global_step == trainer.max_steps, "Model did not stop at max_steps"
-    assert callback.stats.optimizer_steps == trainer.max_steps
+    assert callback.stats.windows == trainer.max_steps
     # 32 batches per epoch: windows 10, 10, 10, 2; 42 steps = 10 epochs and 2 windows of 10
     assert callback.stats.total_micro_batches == 10 * 32 + 20
-    assert callback.stats.current_step == 0
+    assert callback.stats.open_window_micro_batches == 0
 
 
 # Original: test_train_loop_system

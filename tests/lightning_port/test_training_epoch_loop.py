@@ -40,5 +40,5 @@ def test_no_batch_idx_gradient_accumulation():
     model = MyModel()
     trainer.fit(model)
     assert model.last_batch_idx == 3
-    assert callback.stats.optimizer_steps == 2
+    assert callback.stats.windows == 2
     assert callback.stats.micro_batches_last_step == 2

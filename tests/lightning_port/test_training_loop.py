@@ -45,7 +45,7 @@ class WindowSizes(Callback):
         self.sizes: list[int] = []
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        if self.accumulation.stats.optimizer_steps > len(self.sizes):
+        if self.accumulation.stats.windows > len(self.sizes):
             self.sizes.append(self.accumulation.stats.micro_batches_last_step)
 
 
@@ -86,7 +86,7 @@ def test_on_train_batch_start_return_minus_one(max_epochs, batch_idx_, tmp_path)
         assert sizes.sizes == [K] * trainer.global_step  # no window carries micro-batches of the last epoch
 
     assert trainer.is_last_batch
-    assert callback.stats.optimizer_steps == trainer.global_step
+    assert callback.stats.windows == trainer.global_step
     assert max_abs_diff(model.layer, expected) < 1e-6
 
 
@@ -155,6 +155,6 @@ def test_should_stop_mid_epoch(tmp_path):
     # micro-batches 0..4 ran: windows [0, 1] and [2, 3] stepped; [4] was open when training stopped
     assert trainer.global_step == 2
     assert model.validation_called_at == (0, 2)
-    assert callback.stats.optimizer_steps == 2
-    assert callback.stats.current_step == 0  # the open window was discarded
+    assert callback.stats.windows == 2
+    assert callback.stats.open_window_micro_batches == 0  # the open window was discarded
     assert max_abs_diff(model.layer, plain_reference(initial, 5, 1, k=2)) < 1e-6

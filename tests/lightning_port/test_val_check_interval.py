@@ -65,5 +65,5 @@ def test_validation_check_interval_exceed_data_length_correct(
     assert trainer.current_epoch == 1 if use_infinite_dataset else max_epochs
     assert trainer.global_step == max_opt_steps
     assert sorted(model.validation_called_at_step) == [3, 6, 9, 12]
-    assert callback.stats.optimizer_steps == max_opt_steps
+    assert callback.stats.windows == max_opt_steps
     assert callback.stats.total_micro_batches == max_steps

@@ -221,7 +221,7 @@ def test_ema_weight_averaging_step_frequency(tmp_path):
     assert callback._average_model is not None
     # 24 optimizer steps; updated after steps 1, 6, 11, 16, 21
     assert int(callback._average_model.n_averaged) == 5
-    assert accumulation.stats.optimizer_steps == 24
+    assert accumulation.stats.windows == 24
 
 
 # Original: test_ema_weight_averaging_checkpoint_save_load
@@ -245,7 +245,7 @@ def test_ema_weight_averaging_checkpoint_save_load(tmp_path):
         accumulation=accumulation,
     )
     assert callback2._average_model is not None
-    assert accumulation.stats.optimizer_steps == 8 * 4  # counters restored from the checkpoint
+    assert accumulation.stats.windows == 8 * 4  # counters restored from the checkpoint
 
 
 # Original: test_ema_weight_averaging (oracle added: the EMA weights equal a plain loop's)

@@ -1,67 +1,46 @@
-"""GradAccumulator: the math of one accumulation window, for any training loop.
+"""GradAccumulator: exact gradient accumulation over micro-batches, for any training loop.
 
-A window is the run of micro-batches between two optimizer steps. Micro-batch gradients add up in
-``.grad`` as autograd does (no extra memory); at the boundary :meth:`GradAccumulator.finalize` turns the
-sum into the gradient of one big batch (mean over the micro-batches actually run, sum, or
-item-weighted across micro-batches and data-parallel ranks), detects non-finite values and clips, in
-one fused pass, and says whether the optimizer should step.
+Micro-batch gradients add up in ``.grad`` as autograd does (no extra memory), or in wider buffers. At the
+boundary :meth:`GradAccumulator.finalize` turns the window's sum into the gradient of one big batch (mean
+over the micro-batches actually run, sum, or item-weighted across micro-batches and data-parallel ranks),
+detects non-finite values and clips, and says whether the optimizer should step.
 
-Host syncs: none while accumulating; at most one per optimizer step, and only when a decision needs it
-(``overflow="skip"`` or ``"raise"``). Counters live in a small device tensor until :attr:`stats` is read.
+The pieces: :mod:`.window` (one window's lifecycle), :mod:`.boundary` (the stateless math at its end),
+:mod:`.ledger` (statistics folded over windows), :mod:`.buffers`, :mod:`.tally`, :mod:`.world`. This file
+tracks the parameters and wires them together.
+
+Host syncs: none while accumulating; at the boundary one when a decision needs it (``overflow="skip"``,
+``"raise"`` or ``"skip_micro_batch"``, or counts summed over ranks), in which the statistics come along.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import astuple, dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import astuple, dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn.parameter import is_lazy
 
-from ..stats import AccumulationStats
+from .boundary import Flag, Norms, apply_, both, decide, either, measure, negate
 from .buffers import GradBuffers
 from .errors import GradientOverflowError
-from .kernels import GroupKey, clamp_, non_finite_names, scale_, total_norm
+from .kernels import GroupKey, non_finite_names, total_norm
+from .ledger import COUNTERS, Ledger
 from .memory import WindowPeakMemory
-from .tally import InvalidCount, WindowTally, WindowTotals
+from .stats import AccumulationStats
+from .store import WindowGradients
+from .tally import InvalidCount, WindowTotals
 from .validation import AccumulationSettings, check_item_count, check_positive_int
+from .window import Window
 from .window_state import WINDOW_STATE_VERSION, check_window_state
+from .world import AllReduce, World
 
-_STATE_VERSION = 1
-# The device ledger of value-dependent statistics. Counters are summed over steps, the rest overwritten.
-_LEDGER_FIELDS = (
-    "overflow_count",
-    "skipped_steps",
-    "clip_count",
-    "empty_windows",
-    "last_grad_norm",
-    "max_grad_norm_seen",
-    "items_last_step",
-    "window_loss",
-)
-_COUNTERS = ("overflow_count", "skipped_steps", "clip_count", "empty_windows")
-_OPTIONAL_FIELDS = {"empty_windows": 0.0}  # absent from states saved by 0.1.0
-
-
-AllReduce = Callable[[Tensor], Tensor]
-
-
-def _default_world() -> tuple[int, AllReduce | None]:
-    """World size and a sum all-reduce from ``torch.distributed`` when a process group is running."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return 1, None
-
-    def all_reduce_sum(tensor: Tensor) -> Tensor:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
-
-    return dist.get_world_size(), all_reduce_sum
+_STATE_VERSION = 2  # 2: statistics named for what they count; 1 (0.1 names) still loads
+Scalar = float | Tensor
 
 
 @dataclass(frozen=True)
@@ -76,21 +55,38 @@ class ItemCount:
     problem: str | None = None
     check: InvalidCount | None = None
 
+    def weigh_loss(self, loss: Tensor, *, in_place: bool = False) -> Tensor:
+        """``loss * weight``: the one place the weighting rule is applied (``in_place`` for Lightning's loss).
+
+        Example:
+            >>> ItemCount(4.0, 0.5).weigh_loss(torch.tensor(2.0))
+            tensor(1.)
+        """
+        weight = self.weight
+        if not isinstance(weight, Tensor) and weight == 1.0:
+            return loss
+        if isinstance(weight, Tensor):
+            weight = weight.to(loss.device, non_blocking=True)
+        return loss.mul_(weight) if in_place else loss * weight
+
 
 class GradAccumulator:
     """Exact gradient accumulation over micro-batches, in place in ``.grad``.
 
     Args:
         parameters: The parameters the optimizer steps, or ``named_parameters()`` (names appear in error
-            messages). Every one is tracked, frozen ones too: whichever holds a gradient at the boundary is
-            normalized, counted in the norm, clipped and checked (so a layer unfrozen later is handled).
-            :meth:`track` follows a changed set (e.g. a parameter group added to the optimizer).
+            messages and in :attr:`gradients`). Every one is tracked, frozen ones too: whichever holds a
+            gradient at the boundary is normalized, counted in the norm, clipped and checked (so a layer
+            unfrozen later is handled). :meth:`track` follows a changed set.
         accumulation_steps: Micro-batches per window (K). :attr:`window_full` turns true after K records;
             a shorter window (end of an epoch) may be finalized at any time.
         scaling: ``"mean"`` (alias ``"average"``): mean over the micro-batches run; ``"sum"``;
             ``"weighted"`` (alias ``"dynamic"``): weighted by the items of each micro-batch, over ranks.
-        max_grad_norm: Clip the total norm of the final gradient to this value, once per step.
+        max_grad_norm: Clip the gradient's norm to this value, once per step.
         norm_type: Order of the norm (any ``p > 0`` or ``inf``), for clipping and statistics.
+        clip_scope: ``"global"``: the norm of all gradients together is clipped (as
+            ``torch.nn.utils.clip_grad_norm_``); ``"parameter"``: each parameter's gradient whose norm exceeds
+            ``max_grad_norm`` is rescaled on its own (the statistics report the global norm).
         clip_value: Clamp every element of the final gradient to ``[-clip_value, clip_value]``.
         overflow: What to do with a non-finite gradient: ``"skip"`` the step (gradients set to None,
             so torch optimizers change neither parameters nor state), ``"raise"``
@@ -102,11 +98,16 @@ class GradAccumulator:
         all_reduce: Sums a small tensor over ranks in place and returns it; used once per step when
             ``world_size > 1``. ``None``: ``torch.distributed.all_reduce``, which must then be initialized
             with ``world_size`` ranks.
-        foreach: ``None`` or ``True`` use fused ``torch._foreach_*`` kernels; ``False`` a per-tensor loop.
+        foreach: As in ``torch.nn.utils.clip_grad_norm_``: ``None`` uses fused ``torch._foreach_*`` kernels
+            where supported and loops elsewhere, ``True`` raises where unsupported, ``False`` loops.
         accumulation_dtype: Accumulate in buffers of this dtype (e.g. ``"float32"`` for bf16 parameters)
             instead of ``.grad``; costs exactly the buffers' memory and one fused pass per micro-batch.
         clip_mode: ``"step"`` clips the window's final gradient; ``"micro_batch"`` clips each
             micro-batch's own gradient to ``max_grad_norm`` before it is added (needs buffers).
+        grad_scaler: A ``torch.amp.GradScaler`` that scales every loss before backward, is asked to
+            ``unscale_`` the gradients before :meth:`finalize`, and skips non-finite steps itself (the
+            accumulator then counts them but neither drops gradients nor raises).
+        settings: The math settings above, already checked (instead of passing them one by one).
 
     Example:
         A complete loop with 10 micro-batches and K=4: windows of 4, 4 and a partial window of 2, each
@@ -125,7 +126,7 @@ class GradAccumulator:
         ...             optimizer.step()
         ...         optimizer.zero_grad()
         >>> stats = accumulator.stats
-        >>> stats.optimizer_steps, stats.micro_batches_last_step, stats.items_last_step
+        >>> stats.windows, stats.micro_batches_last_step, stats.items_last_step
         (3, 2, 16.0)
     """
 
@@ -137,6 +138,7 @@ class GradAccumulator:
         scaling: str = "mean",
         max_grad_norm: float | None = None,
         norm_type: float = 2.0,
+        clip_scope: str = "global",
         clip_value: float | None = None,
         overflow: str = "skip",
         world_size: int | None = None,
@@ -144,75 +146,76 @@ class GradAccumulator:
         foreach: bool | None = None,
         accumulation_dtype: str | torch.dtype | None = None,
         clip_mode: str = "step",
+        grad_scaler: Any = None,
+        settings: AccumulationSettings | None = None,
     ) -> None:
         self._accumulation_steps = check_positive_int("accumulation_steps", accumulation_steps)
-        self.settings = AccumulationSettings.checked(
+        given = dict(
             scaling=scaling,
             max_grad_norm=max_grad_norm,
             norm_type=norm_type,
+            clip_scope=clip_scope,
             clip_value=clip_value,
             overflow=overflow,
             accumulation_dtype=accumulation_dtype,
             clip_mode=clip_mode,
         )
-        if world_size is not None:
-            check_positive_int("world_size", world_size)
-            if world_size > 1 and all_reduce is None and _default_world()[0] != world_size:
-                raise ValueError(
-                    f"Argument `world_size={world_size}` needs `all_reduce=` (a function that sums a tensor"
-                    " over ranks in place) or an initialized `torch.distributed` process group of"
-                    f" {world_size} ranks; without either the window's counts could not be summed over ranks."
-                )
-        self._world_size = world_size
-        self._all_reduce = all_reduce
+        if settings is None:
+            settings = AccumulationSettings.checked(**given)
+        elif given != {f.name: f.default for f in fields(AccumulationSettings)}:
+            raise ValueError("Pass the math settings either as `settings=` or one by one, not both.")
+        self.settings = settings
+        self._world = World(world_size, all_reduce)
         self.foreach = foreach
+        self._scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        if self._scaler is not None and settings.overflow == "skip_micro_batch":
+            raise ValueError(
+                "`overflow='skip_micro_batch'` cannot be combined with a GradScaler: the scaler must see"
+                " every overflow to lower its scale."
+            )
         self._named = self._named_list(parameters)
         self.device = self._named[0][1].device
-        self._buffers = (
-            GradBuffers(self._named, self.settings.accumulation_dtype, foreach)
-            if self.settings.accumulation_dtype is not None
-            else None
-        )
+        dtype = settings.accumulation_dtype
+        self._buffers = GradBuffers(self._named, dtype, foreach) if dtype is not None else None
+        per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
         if (
-            self._buffers is not None
-            and self.settings.overflow != "skip_micro_batch"
-            and self.settings.clip_mode == "step"
+            dtype is not None
+            and not per_micro_batch
+            and all(param.dtype == dtype for _, param in self._named)
         ):
-            dtype = self.settings.accumulation_dtype
-            same = all(param.dtype == dtype for _, param in self._named)
-            if same:
-                warnings.warn(
-                    f"`accumulation_dtype={dtype}` changes nothing: the parameters are already {dtype}"
-                    " (e.g. 'bf16-mixed' keeps float32 weights). Leave it unset to save the buffers' memory.",
-                    stacklevel=2,
-                )
-        self._grad_groups = self._layout(None)
-        self._buffer_groups = self._layout(self.settings.accumulation_dtype)
+            warnings.warn(
+                f"`accumulation_dtype={dtype}` changes nothing: the parameters are already {dtype}"
+                " (e.g. 'bf16-mixed' keeps float32 weights). Leave it unset to save the buffers' memory.",
+                stacklevel=2,
+            )
+        self._layouts()
         self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self._tally = WindowTally(self.device, self._ledger_dtype)
+        self._ledger = Ledger(self._ledger_dtype)
         self._memory = WindowPeakMemory(self.device)
         # The reference count of scaling="weighted": losses are weighted by items / reference, so that their
         # gradients keep the magnitude of a mean's (raw counts overflow fp16). The first micro-batch's count
         # (its mean over ranks) for the first window, then the mean count per micro-batch of the window
         # before; constant inside a window and the same on every rank.
         self._reference_count: float | Tensor | None = None
-        # Lifetime counters kept on the host (they never depend on tensor values).
-        self._optimizer_steps = 0
+        # Counters that never depend on tensor values live on the host.
+        self._windows = 0
         self._total_micro_batches = 0
         self._micro_batches_last_step = 0
         self._peak_memory_bytes = 0
-        # Value-dependent counters: a device tensor, mirrored on the host after each sync.
-        self._ledger: Tensor | None = None
-        self._host_ledger: list[float] = [0.0] * len(_LEDGER_FIELDS)
-        self._host_ledger_fresh = True
-        self._open_window()
+        self._loss_scale = 1.0
+        self._window = self._new_window()
 
-    def _layout(self, dtype: torch.dtype | None) -> dict[GroupKey, list[int]]:
-        """Parameter indices grouped by (device, dtype of the gradient or buffer), computed once."""
-        layout: dict[GroupKey, list[int]] = {}
+    # ------------------------------------------------------------------------------------- parameters
+
+    def _layouts(self) -> None:
+        """Parameter indices grouped by (device, dtype of the gradient, and of the buffer)."""
+        self._grad_groups: dict[GroupKey, list[int]] = {}
+        self._buffer_groups: dict[GroupKey, list[int]] = {}
+        dtype = self.settings.accumulation_dtype
         for index, (_, param) in enumerate(self._named):
-            layout.setdefault((param.device, dtype or param.dtype), []).append(index)
-        return layout
+            self._grad_groups.setdefault((param.device, param.dtype), []).append(index)
+            self._buffer_groups.setdefault((param.device, dtype or param.dtype), []).append(index)
+        self._index = {name: index for index, (name, _) in enumerate(self._named)}
 
     @staticmethod
     def _named_list(parameters: Iterable[Tensor] | Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
@@ -237,20 +240,43 @@ class GradAccumulator:
         if self._buffers is not None:
             self._buffers.retrack(named)
         self._named = named
-        self._grad_groups = self._layout(None)
-        self._buffer_groups = self._layout(self.settings.accumulation_dtype)
+        self._layouts()
+
+    @property
+    def parameters(self) -> list[Tensor]:
+        """The parameters tracked."""
+        return [param for _, param in self._named]
 
     # ----------------------------------------------------------------------------------------- window
 
-    def _open_window(self) -> None:
-        self._micro_batches = 0
-        self._tally.clear()
-        self._dropped: Tensor | None = None  # micro-batches dropped by "skip_micro_batch" (device)
-        self._micro_clips: Tensor | None = None  # micro-batches clipped by clip_mode="micro_batch"
-        self._flushed = False  # buffers written to .grad for a synchronizing backward
+    def _new_window(self) -> Window:
+        self._memory.start()
         if self._buffers is not None:
             self._buffers.discard()
-        self._memory.start()
+        return Window(
+            buffered=self._buffers is not None,
+            loss_scale=self._loss_scale,
+            device=self.device,
+            dtype=self._ledger_dtype,
+        )
+
+    @property
+    def window(self) -> Window:
+        """The open window: its state, micro-batches and loss scale (a new one opens after each close)."""
+        return self._window
+
+    @property
+    def gradients(self) -> WindowGradients:
+        """The open window's summed gradients by parameter name; :meth:`WindowGradients.add` adds more.
+
+        Example:
+            >>> weight = torch.nn.Parameter(torch.zeros(2))
+            >>> accumulator = GradAccumulator([("weight", weight)], accumulation_steps=2)
+            >>> accumulator.gradients.add({"weight": torch.ones(2)})
+            >>> list(accumulator.gradients), accumulator.gradients["weight"], accumulator.window.micro_batches
+            (['weight'], tensor([1., 1.]), 1)
+        """
+        return WindowGradients(self)
 
     @property
     def accumulation_steps(self) -> int:
@@ -260,27 +286,74 @@ class GradAccumulator:
     @accumulation_steps.setter
     def accumulation_steps(self, value: int) -> None:
         check_positive_int("accumulation_steps", value)
-        if value != self._accumulation_steps and self._micro_batches:
+        if value != self._accumulation_steps and not self._window.empty:
             raise RuntimeError(
                 f"Cannot change `accumulation_steps` from {self._accumulation_steps} to {value} inside an"
-                f" open window ({self._micro_batches} micro-batches recorded). Change it after `finalize()`."
+                f" open window ({self._window.micro_batches} micro-batches recorded). Change it after"
+                " `finalize()`."
             )
         self._accumulation_steps = value
 
     @property
+    def loss_scale(self) -> float:
+        """The factor every loss was multiplied by before ``backward``, besides its item weight and AMP scale.
+
+        Lightning divides each loss by K (``1 / K``); a plain loop that back-propagates the loss as it is
+        keeps 1. It is told once per window: it can change only while the window is empty.
+        """
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"Expected `loss_scale` to be a finite number > 0, but got {value!r}.")
+        if value != self._loss_scale and not self._window.empty:
+            raise RuntimeError(
+                f"Cannot change `loss_scale` from {self._loss_scale} to {value} inside an open window"
+                f" ({self._window.micro_batches} micro-batches recorded): its gradients carry the old one."
+            )
+        self._loss_scale = float(value)
+        self._window.loss_scale = float(value)
+
+    @property
     def current_step(self) -> int:
-        """Micro-batches recorded in the open window."""
-        return self._micro_batches
+        """Deprecated: micro-batches in the open window; use ``window.micro_batches``."""
+        warnings.warn(
+            "`GradAccumulator.current_step` is renamed: use `window.micro_batches`.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self._window.micro_batches
 
     @property
     def window_full(self) -> bool:
         """Whether K micro-batches have been recorded, so the window should be finalized."""
-        return self._micro_batches >= self._accumulation_steps
+        return self._window.micro_batches >= self._accumulation_steps
 
-    @property
-    def parameters(self) -> list[Tensor]:
-        """The parameters tracked."""
-        return [param for _, param in self._named]
+    def _amp_scale(self) -> Tensor | None:
+        """The GradScaler's scale as a device tensor (``get_scale()`` would sync with the host)."""
+        if self._scaler is None:
+            return None
+        scale = getattr(self._scaler, "_scale", None)
+        if not isinstance(scale, Tensor):
+            raise RuntimeError(
+                f"The GradScaler ({type(self._scaler).__name__}) keeps no tensor `_scale`, which the"
+                " accumulator reads (without a host sync) to undo the loss scale in its statistics and"
+                " clipping. Use `torch.amp.GradScaler`."
+            )
+        return scale
+
+    def _amp_scale_value(self) -> float:
+        """The GradScaler's scale as a number (syncs; checkpoints only). Before its first ``scale()`` call
+        the scaler has no ``_scale`` tensor yet: ``get_scale()`` gives the scale it will start from."""
+        return float(self._scaler.get_scale()) if self._scaler is not None else 1.0
+
+    def _gradient_scale(self) -> Scalar:
+        """What a micro-batch's gradient in ``.grad`` carries besides its weight: loss scale x AMP scale."""
+        amp = self._amp_scale()
+        return self._loss_scale * amp if amp is not None else self._loss_scale
+
+    # ------------------------------------------------------------------------------------- recording
 
     def weigh(
         self,
@@ -317,7 +390,7 @@ class GradAccumulator:
         weighted = self.settings.scaling == "weighted"
         if type(items) is int and items >= 0 and error is None and not weighted:  # the common case, quickly
             return ItemCount(float(items), 1.0)
-        label = label or f"the item count of micro-batch {self._micro_batches} of the window"
+        label = label or f"the item count of micro-batch {self._window.micro_batches} of the window"
         value: float | Tensor | None = None
         problem = error
         check: InvalidCount | None = None
@@ -350,8 +423,8 @@ class GradAccumulator:
     def _reference(self, first: float | Tensor) -> float | Tensor:
         """The reference count of ``"weighted"`` for the open window (at least 1)."""
         if self._reference_count is None:
-            world_size, all_reduce = self._world()
-            if world_size > 1 and all_reduce is not None:  # one small collective, once
+            world_size, all_reduce = self._world.resolve()
+            if all_reduce is not None:  # one small collective, once
                 total = all_reduce(self._scalar(first).clone().reshape(1)).reshape(())
                 self._reference_count = (total / world_size).clamp(min=1.0)
             elif isinstance(first, Tensor):
@@ -375,76 +448,80 @@ class GradAccumulator:
         return self.weigh(items).weight
 
     def backward(self, loss: Tensor, items: Any = None) -> None:
-        """Back-propagate one micro-batch's loss (a mean over its items) with its weight; record it."""
+        """Back-propagate one micro-batch's loss (a mean over its items) with its weight; record it.
+
+        Under a ``grad_scaler`` the weighted loss is scaled by it first.
+        """
         count = self.weigh(items, loss_dtype=loss.dtype)
-        weight = count.weight
-        weighted = loss * weight if isinstance(weight, Tensor) or weight != 1.0 else loss
+        weighted = count.weigh_loss(loss)
+        if self._scaler is not None:
+            weighted = self._scaler.scale(weighted)
+            loss = self._scaler.scale(loss)
         weighted.backward()  # type: ignore[no-untyped-call]
         self.record(count, loss.detach())
 
     def record(
-        self,
-        items: ItemCount | Any = None,
-        loss: Tensor | float | None = None,
-        *,
-        grad_scale: float | Tensor = 1.0,
-        reevaluation: bool = False,
+        self, items: ItemCount | Any = None, loss: Tensor | float | None = None, *, reevaluation: bool = False
     ) -> None:
         """Count a micro-batch whose gradient has been added to ``.grad`` (and move it to the buffers).
 
-        The backward pass must have used ``loss * loss_weight(items)``. Never syncs with the device, never
-        raises for a bad item count: :meth:`finalize` does (see :meth:`weigh`).
+        The backward pass must have used ``loss * loss_weight(items) * loss_scale`` (times the AMP scale under
+        a ``grad_scaler``). Never syncs with the device, never raises for a bad item count: :meth:`finalize`
+        does (see :meth:`weigh`).
 
         Args:
             items: The micro-batch's :class:`ItemCount` from :meth:`weigh`, or its raw item count (a number
                 or a scalar tensor). Required for ``"weighted"``; elsewhere used for statistics (an invalid
                 count is an error there too).
-            loss: The micro-batch's unweighted loss, for ``window_loss`` in the statistics (in any units
-                that :meth:`finalize`'s ``loss_scale`` turns into the loss; it is only kept, not copied).
-            grad_scale: The factor the loss was multiplied by besides :meth:`loss_weight` (Lightning's
-                1/K, times the AMP scale under a GradScaler); used by ``clip_mode="micro_batch"``.
+            loss: The micro-batch's loss before its item weight, as back-propagated otherwise (times
+                ``loss_scale`` and the AMP scale, which the boundary divides out), for ``window_loss``.
             reevaluation: The same micro-batch evaluated again for the same step (an optimizer such as
                 LBFGS calls its closure several times): not counted in ``total_micro_batches``.
         """
+        window = self._window
         count = items if isinstance(items, ItemCount) else self.weigh(items)
         if count.problem is not None:
-            self._tally.problems.append(count.problem)
+            window.tally.problems.append(count.problem)
         if count.check is not None:
-            self._tally.checks.append(count.check)
-        keep = self._absorb(count, grad_scale) if self._buffers is not None and not self._flushed else None
+            window.tally.checks.append(count.check)
+        to_buffers = window.new_gradients_to_buffers
+        keep = self._absorb(count) if to_buffers else None
         weight = count.weight if self.settings.scaling == "weighted" else None
-        self._tally.add(count.items, loss, keep, weight)
-        self._micro_batches += 1
+        window.tally.add(count.items, loss, keep, weight)
+        window.record_micro_batch(in_buffers=to_buffers)
         if not reevaluation:
             self._total_micro_batches += 1
 
-    def _absorb(self, count: ItemCount, grad_scale: float | Tensor) -> Tensor | None:
+    def _absorb(self, count: ItemCount) -> Tensor | None:
         """Move this micro-batch's ``.grad`` into the buffers; returns whether it was kept (or None)."""
         assert self._buffers is not None
+        settings, window = self.settings, self._window
         keep: Tensor | None = None
         multiplier: Tensor | None = None
-        if self.settings.overflow == "skip_micro_batch" or self.settings.clip_mode == "micro_batch":
+        if settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch":
             grads = [param.grad for _, param in self._named if param.grad is not None]
-            norm = total_norm(grads, self.settings.norm_type, device=self.device, foreach=self.foreach)
+            norm = total_norm(grads, settings.norm_type, device=self.device, foreach=self.foreach)
             finite = torch.isfinite(norm)
-            if self.settings.overflow == "skip_micro_batch":
+            if settings.overflow == "skip_micro_batch":
                 bad = (~finite).to(self._ledger_dtype)
-                world_size, all_reduce = self._world()
-                if world_size > 1 and all_reduce is not None:  # every rank drops the same micro-batch
+                _, all_reduce = self._world.resolve()
+                if all_reduce is not None:  # every rank drops the same micro-batch
                     bad = all_reduce(bad.reshape(1)).reshape(())
                 keep = bad == 0
-                self._dropped = (
-                    bad.clamp(max=1) if self._dropped is None else self._dropped + bad.clamp(max=1)
-                )
-            if self.settings.clip_mode == "micro_batch":
-                assert self.settings.max_grad_norm is not None
+                dropped = bad.clamp(max=1)
+                window.dropped = dropped if window.dropped is None else window.dropped + dropped
+            if settings.clip_mode == "micro_batch":
+                assert settings.max_grad_norm is not None
                 # undo the loss's weight and scale; a weight of 0 leaves a zero gradient, nothing to clip
-                factor = (self._scalar(count.weight).to(norm.dtype) * grad_scale).abs().clamp(min=1e-30)
-                own_norm = norm / factor
-                coefficient = torch.clamp(self.settings.max_grad_norm / (own_norm + 1e-6), max=1.0)
-                clipped = ((coefficient < 1.0) & finite).to(self._ledger_dtype)
-                self._micro_clips = clipped if self._micro_clips is None else self._micro_clips + clipped
-                multiplier = torch.where(finite, coefficient, 1.0)
+                factor = (
+                    (self._scalar(count.weight).to(norm.dtype) * self._gradient_scale())
+                    .abs()
+                    .clamp(min=1e-30)
+                )
+                decision = decide(norm / factor, max_norm=settings.max_grad_norm)
+                clipped = (decision.clipped & finite).to(self._ledger_dtype)
+                window.micro_clips = clipped if window.micro_clips is None else window.micro_clips + clipped
+                multiplier = torch.where(finite, decision.multiplier, 1.0)  # type: ignore[arg-type]
         self._buffers.absorb(keep, multiplier)
         return keep
 
@@ -456,25 +533,10 @@ class GradAccumulator:
         That micro-batch is then not checked on its own: a non-finite gradient in it makes the whole
         window non-finite. Without buffers this does nothing.
         """
-        if self._buffers is not None and not self._flushed:
+        if self._buffers is not None and self._window.flush():
             self._buffers.write_to_grads()
-            self._flushed = True
 
     # ---------------------------------------------------------------------------------------- boundary
-
-    def _world(self) -> tuple[int, AllReduce | None]:
-        if self._world_size is None:
-            return _default_world()
-        if self._world_size > 1 and self._all_reduce is None:
-            world_size, all_reduce = _default_world()
-            if all_reduce is None or world_size != self._world_size:
-                raise RuntimeError(
-                    f"`GradAccumulator(world_size={self._world_size})` has no `all_reduce` and no"
-                    f" `torch.distributed` process group of {self._world_size} ranks is running (found"
-                    f" {world_size}): the window cannot be summed over ranks."
-                )
-            return world_size, all_reduce
-        return self._world_size, self._all_reduce
 
     def _scalar(self, value: Tensor | float) -> Tensor:
         """A scalar on the ledger device, created by a fill kernel (no host-to-device copy)."""
@@ -484,23 +546,15 @@ class GradAccumulator:
             return value.to(device=self.device, dtype=self._ledger_dtype, non_blocking=True).reshape(())
         return torch.full((), float(value), dtype=self._ledger_dtype, device=self.device)
 
-    def finalize(
-        self,
-        *,
-        grad_scale: float = 1.0,
-        overflow_handled_externally: bool = False,
-        loss_scale: float | Tensor = 1.0,
-        reevaluation: bool = False,
-    ) -> bool:
+    @property
+    def _decides_on_host(self) -> bool:
+        """Whether the step's decision needs a host sync anyway (then every scalar comes along in it)."""
+        return self._scaler is None and self.settings.overflow != "ignore"
+
+    def finalize(self, *, reevaluation: bool = False) -> bool:
         """Turn the window's summed gradients into the final gradient, in place; close the window.
 
         Args:
-            grad_scale: The factor every micro-batch's loss was multiplied by besides
-                :meth:`loss_weight` (Lightning divides each loss by K: pass ``1 / K``).
-            overflow_handled_externally: A ``GradScaler`` will skip the step itself when the gradient is
-                not finite: count the overflow and the skip, but neither drop gradients nor raise.
-            loss_scale: Factor from the recorded losses to the real loss (Lightning records L / K times
-                the AMP scale: pass K / scale).
             reevaluation: The window just finalized, evaluated again for the same step (LBFGS's closure):
                 the statistics of the step are updated but no counter advances.
 
@@ -513,115 +567,138 @@ class GradAccumulator:
             GradientOverflowError: ``overflow="raise"`` and the gradient is not finite.
             ValueError: an item count of the window, on this rank or another, was invalid.
         """
-        if self._micro_batches == 0:
+        window, settings = self._window, self.settings
+        if window.empty:
             return self._close_empty(reevaluation)
-        from_buffers = self._buffers is not None and self._buffers.holds_window and not self._flushed
-        sources: list[Tensor | None]
-        if from_buffers:
-            assert self._buffers is not None
-            sources, layout = self._buffers.window(), self._buffer_groups
-        else:
-            sources, layout = [param.grad for _, param in self._named], self._grad_groups
+        from_buffers = window.sums_in_buffers
+        assert self._buffers is not None or not from_buffers
+        sources = self._buffers.window() if from_buffers else [param.grad for _, param in self._named]  # type: ignore[union-attr]
         if not from_buffers:  # buffers are dense by construction
             for (name, _), tensor in zip(self._named, sources, strict=True):
                 if tensor is not None and tensor.is_sparse:
                     raise TypeError(f"Sparse gradients are not supported (parameter `{name}`).")
+        layout = self._buffer_groups if from_buffers else self._grad_groups
         grads = {
             key: [t for i in indices if (t := sources[i]) is not None] for key, indices in layout.items()
         }
-        world_size, all_reduce = self._world()
-
-        totals = self._window_totals(world_size, all_reduce)
-        factor = self._normalization(totals.weights, grad_scale, world_size)
-        self._rebase_reference(totals.items, world_size)
-        raw_norm = total_norm(grads, self.settings.norm_type, device=self.device, foreach=self.foreach)
-        norm = raw_norm.to(self._ledger_dtype) * factor
-        finite = torch.isfinite(norm)
-        live = finite
-        if self._dropped is not None:  # every micro-batch dropped: nothing to step with
-            live = finite & (self._dropped < self._micro_batches)
-        has_items: Tensor | bool = True
-        if self.settings.scaling == "weighted":
-            weights = totals.weights
-            has_items = weights > 0 if isinstance(weights, Tensor) else bool(weights > 0)
-        multiplier: Tensor | float = factor
-        clipped = torch.zeros((), dtype=torch.bool, device=self.device)
-        if self.settings.max_grad_norm is not None:
-            coefficient = torch.clamp(self.settings.max_grad_norm / (norm + 1e-6), max=1.0)
-            clipped = coefficient < 1.0
-            multiplier = coefficient * factor
-        if self.settings.clip_value is not None:
-            raw_max = (
-                raw_norm
-                if self.settings.norm_type == math.inf
-                else total_norm(grads, math.inf, device=self.device, foreach=self.foreach)
-            )
-            clipped = clipped | (raw_max.to(self._ledger_dtype) * multiplier > self.settings.clip_value)
-        clipped = clipped & finite
-
-        nonfinite = (~finite).to(self._ledger_dtype)
-        skips = overflow_handled_externally or self.settings.overflow in ("skip", "skip_micro_batch")
-        overflows = nonfinite if self._dropped is None else nonfinite + self._dropped
-        skipped = (~live & has_items).to(self._ledger_dtype) if skips else torch.zeros_like(nonfinite)
-        empty = ~has_items if isinstance(has_items, Tensor) else float(not has_items)
-        if self._micro_clips is not None:
-            clipped = clipped | (self._micro_clips > 0)
-        loss_sum, loss_weight = totals.loss_sum, totals.loss_weight
-        self._update_ledger(
-            count=not reevaluation,
-            overflow_count=overflows,
-            skipped_steps=skipped,
-            clip_count=clipped,
-            empty_windows=empty,
-            last_grad_norm=norm,
-            items_last_step=totals.items,
-            window_loss=loss_sum / loss_weight * loss_scale
-            if isinstance(loss_weight, Tensor) or loss_weight
-            else math.nan,
+        world_size, all_reduce = self._world.resolve()
+        totals = self._window_totals(all_reduce)
+        norms = measure(
+            grads,
+            settings.norm_type,
+            device=self.device,
+            foreach=self.foreach,
+            per_tensor=settings.clip_scope == "parameter" and settings.max_grad_norm is not None,
+            largest_element=settings.clip_value is not None,
         )
-        self._micro_batches_last_step = self._micro_batches
-        step = self._optimizer_steps
+        dropped: Scalar = window.dropped if window.dropped is not None else 0.0
+        micro_clips: Scalar = window.micro_clips if window.micro_clips is not None else 0.0
+        total: Scalar = norms.total
+        largest: Scalar | None = norms.largest_element
+        if self._decides_on_host:  # the one host sync of this step; the statistics come along
+            values = [*astuple(totals), total, largest, dropped, micro_clips]
+            on_device = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
+            for i, value in zip(on_device, self._ledger.sync(*(values[i] for i in on_device)), strict=True):
+                values[i] = value
+            totals = WindowTotals(*values[:5])
+            total, largest, dropped, micro_clips = values[5:]
+        factor = self._normalization(totals.weights, dropped, world_size)
+        decision = decide(
+            Norms(total, norms.per_tensor),
+            factor,
+            max_norm=settings.max_grad_norm,
+            clip_scope=settings.clip_scope,  # type: ignore[arg-type]
+            clip_value=settings.clip_value,
+            largest_element=largest,
+        )
+        has_items: Flag = totals.weights > 0 if settings.scaling == "weighted" else True
+        live = both(decision.finite, dropped < window.micro_batches)
+        skips = self._scaler is not None or settings.overflow in ("skip", "skip_micro_batch")
+        amp = self._amp_scale()
+        loss_scale = window.loss_scale * amp if amp is not None else window.loss_scale
+        loss_weight = totals.loss_weight
+        self._ledger.fold(
+            {
+                "non_finite_windows": negate(decision.finite),
+                "dropped_micro_batches": dropped,
+                "skipped_steps": both(negate(live), has_items) if skips else False,
+                "empty_windows": negate(has_items),
+                "clipped_steps": either(decision.clipped, micro_clips > 0),
+                "last_grad_norm": decision.norm,
+                "items_last_step": totals.items,
+                "window_loss": totals.loss_sum / loss_weight / loss_scale
+                if isinstance(loss_weight, Tensor) or loss_weight
+                else math.nan,
+            },
+            count=not reevaluation,
+        )
+        self._rebase_reference(totals.items, world_size)
+        self._micro_batches_last_step = window.micro_batches
+        step = self._windows
         if not reevaluation:
-            self._optimizer_steps += 1
+            self._windows += 1
         self._peak_memory_bytes = self._memory.read()
         try:
-            decides = not overflow_handled_externally and self.settings.overflow in (
-                "skip",
-                "raise",
-                "skip_micro_batch",
-            )
+            decides = self._scaler is None and settings.overflow != "ignore"
             flags = (live if decides else True, has_items, totals.bad_items)
-            if any(isinstance(flag, Tensor) for flag in flags):  # the one host sync of this step
-                keeps_step, has_any, bad = self._sync(*flags)
+            if any(isinstance(flag, Tensor) for flag in flags):  # counts summed over ranks, overflow ignored
+                keeps_step, has_any, bad = self._ledger.sync(*(self._scalar(flag) for flag in flags))
             else:
                 keeps_step, has_any, bad = (float(flag) for flag in flags)
             if bad:
-                raise ValueError(self._invalid_count_message(int(bad)))
+                raise ValueError(self._invalid_count_message(window, int(bad)))
             if not (keeps_step and has_any):
-                if has_any and self.settings.overflow == "raise" and not overflow_handled_externally:
+                if has_any and settings.overflow == "raise" and self._scaler is None:
                     named = [(n, t) for (n, _), t in zip(self._named, sources, strict=True) if t is not None]
                     raise GradientOverflowError(step, non_finite_names(named))
                 for _, param in self._named:
                     param.grad = None
                 return False
-            scale_(grads, multiplier, foreach=self.foreach)
-            if self.settings.clip_value is not None:
-                clamp_(grads, self.settings.clip_value, foreach=self.foreach)
+            apply_(grads, decision, clip_value=settings.clip_value, foreach=self.foreach)
             if from_buffers:
                 assert self._buffers is not None
                 self._buffers.write_to_grads()  # one rounding to the parameters' dtype, at the end
             return True
         finally:
-            self._open_window()
+            window.close()
+            self._window = self._new_window()
 
-    def _rebase_reference(self, items: Tensor | float, world_size: int) -> None:
+    def _window_totals(self, all_reduce: AllReduce | None) -> WindowTotals:
+        """The window's totals, summed over ranks (one small all-reduce)."""
+        totals = self._window.tally.totals()
+        if all_reduce is None:
+            return totals
+        packed = torch.stack([self._scalar(value) for value in astuple(totals)])
+        return WindowTotals(*all_reduce(packed).unbind())
+
+    def _normalization(self, weights: Scalar, dropped: Scalar, world_size: int) -> Scalar:
+        """The factor that turns the window's sum into the contract's gradient (docs/architecture.md).
+
+        ``.grad`` holds the sum over micro-batches of weight x loss scale x gradient (averaged over ranks by
+        DDP); a GradScaler has already divided its own scale out.
+        """
+        window, scaling = self._window, self.settings.scaling
+        scale = window.loss_scale
+        if scaling == "mean":
+            if isinstance(dropped, Tensor):
+                return 1.0 / ((window.micro_batches - dropped).clamp(min=1) * scale)
+            return 1.0 / (max(window.micro_batches - dropped, 1) * scale)
+        if scaling == "sum":
+            return 1.0 / scale
+        # weighted: w = items / reference, so dividing by sum w (over ranks: times R for DDP's average) gives
+        # sum n g / sum n. A window without items never steps.
+        if isinstance(weights, Tensor):
+            return world_size / (scale * torch.where(weights > 0, weights, 1.0))
+        return world_size / (scale * (weights if weights > 0 else 1.0))
+
+    def _rebase_reference(self, items: Scalar, world_size: int) -> None:
         """Set the next window's reference to this window's mean count per micro-batch and rank.
 
         No collective: ``items`` is already summed over ranks. A window without items keeps the reference.
         """
         if self.settings.scaling != "weighted" or self._reference_count is None:
             return
-        mean = items / (self._micro_batches * world_size)
+        mean = items / (self._window.micro_batches * world_size)
         if isinstance(mean, Tensor):
             self._reference_count = torch.where(
                 mean > 0, mean.clamp(min=1.0), self._scalar(self._reference_count)
@@ -633,25 +710,21 @@ class GradAccumulator:
         """Close a window in which no micro-batch was recorded: no step (counted in ``empty_windows``)."""
         for _, param in self._named:  # e.g. stale gradients of an earlier window: nothing to step with
             param.grad = None
-        self._update_ledger(
+        self._ledger.fold(
+            {"empty_windows": 1.0, "last_grad_norm": 0.0, "items_last_step": 0.0, "window_loss": math.nan},
             count=not reevaluation,
-            overflow_count=0.0,
-            skipped_steps=0.0,
-            clip_count=0.0,
-            empty_windows=1.0,
-            last_grad_norm=0.0,
-            items_last_step=0.0,
-            window_loss=math.nan,
         )
         self._micro_batches_last_step = 0
         if not reevaluation:
-            self._optimizer_steps += 1
+            self._windows += 1
         self._peak_memory_bytes = self._memory.read()
-        self._open_window()
+        self._window.close()
+        self._window = self._new_window()
         return False
 
-    def _invalid_count_message(self, count: int) -> str:
-        found = self._tally.invalid_counts()
+    @staticmethod
+    def _invalid_count_message(window: Window, count: int) -> str:
+        found = window.tally.invalid_counts()
         where = "; ".join(problem.rstrip(".") for problem in found) if found else "on another rank"
         return (
             f"{count} invalid item count(s) in this window: {where}. An item count must be a finite number"
@@ -664,136 +737,81 @@ class GradAccumulator:
         Returns:
             Whether the optimizer stepped.
         """
-        if not (self.window_full or (force and self._micro_batches)):
+        if not (self.window_full or (force and not self._window.empty)):
             return False
+        if self._scaler is not None:
+            self._scaler.unscale_(optimizer)
         stepped = self.finalize()
-        if stepped:
+        if self._scaler is not None:
+            self._scaler.step(optimizer)
+            self._scaler.update()
+        elif stepped:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return stepped
 
-    def _window_totals(self, world_size: int, all_reduce: AllReduce | None) -> WindowTotals:
-        """The window's totals, summed over ranks (one small all-reduce)."""
-        totals = self._tally.totals()
-        if world_size == 1 or all_reduce is None:
-            return totals
-        packed = torch.stack([self._scalar(value) for value in astuple(totals)])
-        return WindowTotals(*all_reduce(packed).unbind())
-
-    def _normalization(self, weights: Tensor | float, grad_scale: float, world_size: int) -> Tensor | float:
-        """The factor that turns ``.grad`` into the contract's gradient (see ARCHITECTURE.md section 2)."""
-        if self.settings.scaling == "mean":
-            if self._dropped is not None:
-                return 1.0 / ((self._micro_batches - self._dropped).clamp(min=1) * grad_scale)
-            return 1.0 / (self._micro_batches * grad_scale)
-        if self.settings.scaling == "sum":
-            return 1.0 / grad_scale
-        # weighted: .grad holds (1/R) * sum_r sum_i w_ri g_ri * grad_scale after DDP's averaging, where
-        # w = items / reference; dividing by sum w gives sum n g / sum n. A window without items never steps.
-        if isinstance(weights, Tensor):
-            return world_size / (grad_scale * torch.where(weights > 0, weights, 1.0))
-        return world_size / (grad_scale * (weights if weights > 0 else 1.0))
-
-    def _update_ledger(self, *, count: bool, **step: Tensor | float) -> None:
-        """Fold one step into the device ledger in a few kernels.
-
-        Counters add up, the largest norm is kept, the rest is overwritten; ``count=False`` (a re-evaluation)
-        advances no counter.
-        """
-        if self._ledger is None:
-            self._ledger = torch.tensor(self._host_ledger, dtype=self._ledger_dtype, device=self.device)
-            self._counters_mask = torch.tensor(
-                [name in _COUNTERS for name in _LEDGER_FIELDS], device=self.device
-            )
-            self._maximum_mask = torch.tensor(
-                [name == "max_grad_norm_seen" for name in _LEDGER_FIELDS], device=self.device
-            )
-        norm = self._scalar(step["last_grad_norm"])
-        step = {
-            **step,
-            "last_grad_norm": norm,
-            "max_grad_norm_seen": torch.where(torch.isfinite(norm), norm, 0.0),
-        }
-        if not count:
-            step.update(dict.fromkeys(_COUNTERS, 0.0))
-        this_step = torch.stack([self._scalar(step[name]) for name in _LEDGER_FIELDS])
-        # select, never multiply by a mask: a nan norm of an earlier step must not leak into other fields
-        folded = torch.where(self._counters_mask, self._ledger + this_step, this_step)
-        self._ledger = torch.where(self._maximum_mask, torch.maximum(folded, self._ledger), folded)
-        self._host_ledger_fresh = False
-
-    def _sync(self, *flags: Tensor | float | bool) -> list[float]:
-        """Copy the ledger (and ``flags``) to the host in one device sync.
-
-        Returns:
-            The flags' values.
-        """
-        if self._ledger is None or (self._host_ledger_fresh and not flags):
-            return [float(flag) for flag in flags]
-        packed = (
-            torch.cat([self._ledger, torch.stack([self._scalar(flag) for flag in flags])])
-            if flags
-            else self._ledger
-        )
-        values = [float(v) for v in packed.tolist()]
-        self._host_ledger = values[: len(_LEDGER_FIELDS)]
-        self._host_ledger_fresh = True
-        return values[len(_LEDGER_FIELDS) :]
+    def reset(self, *, set_grads_to_none: bool = True) -> None:
+        """Discard the open window (its buffers, and its gradients by default); lifetime counters are kept."""
+        self._window.close()
+        self._window = self._new_window()
+        if set_grads_to_none:
+            for _, param in self._named:
+                param.grad = None
 
     # -------------------------------------------------------------------------------------- reporting
 
     @property
     def stats(self) -> AccumulationStats:
-        """A frozen snapshot of the statistics (syncs once if a step happened since the last read)."""
-        self._sync()
-        ledger = dict(zip(_LEDGER_FIELDS, self._host_ledger, strict=True))
+        """A frozen snapshot of the statistics (syncs once if a window closed since the last read)."""
+        ledger = self._ledger.values()
+        ledger.pop("window_loss")
         return AccumulationStats(
             accumulation_steps=self._accumulation_steps,
-            current_step=self._micro_batches,
-            optimizer_steps=self._optimizer_steps,
+            open_window_micro_batches=self._window.micro_batches,
+            windows=self._windows,
             total_micro_batches=self._total_micro_batches,
-            skipped_steps=int(ledger["skipped_steps"]),
-            overflow_count=int(ledger["overflow_count"]),
-            clip_count=int(ledger["clip_count"]),
-            empty_windows=int(ledger["empty_windows"]),
-            last_grad_norm=ledger["last_grad_norm"],
-            max_grad_norm_seen=ledger["max_grad_norm_seen"],
-            items_last_step=ledger["items_last_step"],
             micro_batches_last_step=self._micro_batches_last_step,
             num_parameters=sum(
                 param.numel() for _, param in self._named if param.requires_grad and not is_lazy(param)
             ),
             buffer_bytes=self._buffers.nbytes if self._buffers is not None else 0,
             peak_memory_bytes=self._peak_memory_bytes,
+            **{name: int(value) if name in COUNTERS else value for name, value in ledger.items()},  # type: ignore[arg-type]
         )
 
     @property
     def window_loss(self) -> float:
         """Item-weighted mean loss of the last window, over ranks (``nan`` if no loss was recorded)."""
-        self._sync()
-        return self._host_ledger[_LEDGER_FIELDS.index("window_loss")]
-
-    def reset(self, *, set_grads_to_none: bool = True) -> None:
-        """Discard the open window (its buffers, and its gradients by default); lifetime counters are kept."""
-        self._open_window()
-        if set_grads_to_none:
-            for _, param in self._named:
-                param.grad = None
+        return self._ledger.values()["window_loss"]
 
     def state_dict(self) -> dict[str, Any]:
         """Counters as plain numbers (loadable with ``torch.load(weights_only=True)``)."""
-        self._sync()
-        state: dict[str, Any] = {
+        return {
             "version": _STATE_VERSION,
             "accumulation_steps": self._accumulation_steps,
-            "optimizer_steps": self._optimizer_steps,
+            "windows": self._windows,
             "total_micro_batches": self._total_micro_batches,
             "micro_batches_last_step": self._micro_batches_last_step,
             "peak_memory_bytes": self._peak_memory_bytes,
+            **self._ledger.state_dict(),
         }
-        for name, value in zip(_LEDGER_FIELDS, self._host_ledger, strict=True):
-            state[name] = int(value) if name in _COUNTERS else value
-        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore counters saved by :meth:`state_dict` (or by 0.1); nothing changes if they do not fit."""
+        version = state.get("version")
+        if version not in (1, _STATE_VERSION):
+            raise ValueError(
+                f"Cannot load accumulator state of version {version!r}; expected 1 or {_STATE_VERSION}."
+            )
+        windows = "optimizer_steps" if version == 1 else "windows"
+        missing = [key for key in (windows, "total_micro_batches", "skipped_steps") if key not in state]
+        if missing:
+            raise ValueError(f"Accumulator state is missing {missing}.")
+        self._windows = int(state[windows])
+        self._total_micro_batches = int(state["total_micro_batches"])
+        self._micro_batches_last_step = int(state.get("micro_batches_last_step", 0))
+        self._peak_memory_bytes = int(state.get("peak_memory_bytes", 0))
+        self._ledger.load_state_dict(state)
 
     # ---------------------------------------------------------------------------------- open window
 
@@ -805,14 +823,15 @@ class GradAccumulator:
         the first rank, with the other ranks starting from zero, the sum continues exactly, because the
         all-reduce at the end of the window is linear. Syncs with the device (checkpoint time only).
         """
-        if self._micro_batches == 0:
+        window = self._window
+        if window.empty:
             return None
-        world_size, all_reduce = self._world()
+        world_size, all_reduce = self._world.resolve()
 
         def summed(tensor: Tensor) -> Tensor:
-            return all_reduce(tensor.clone()) if world_size > 1 and all_reduce is not None else tensor
+            return all_reduce(tensor.clone()) if all_reduce is not None else tensor
 
-        in_buffers = self._buffers is not None and not self._flushed
+        in_buffers = window.sums_in_buffers
         sums = self._buffers.window() if in_buffers and self._buffers is not None else None
         tensors: dict[str, Tensor] = {}
         for index, (name, param) in enumerate(self._named):
@@ -822,8 +841,8 @@ class GradAccumulator:
             dtype = self._buffers.dtype if in_buffers and self._buffers is not None else param.dtype
             local = tensor.detach() if tensor is not None else torch.zeros_like(param, dtype=dtype)
             tensors[name] = summed(local).cpu()
-        totals = self._tally.totals()
-        micro_clips = self._micro_clips if self._micro_clips is not None else 0.0
+        totals = window.tally.totals()
+        micro_clips = window.micro_clips if window.micro_clips is not None else 0.0
         counters = torch.stack([self._scalar(value) for value in (*astuple(totals), micro_clips)])
         items, weights, loss_sum, loss_weight, bad_items, micro_clips = summed(counters).tolist()
         reference = self._reference_count
@@ -831,8 +850,10 @@ class GradAccumulator:
             "version": WINDOW_STATE_VERSION,
             "kind": "buffers" if in_buffers else "grads",
             "world_size": world_size,
-            "micro_batches": self._micro_batches,
-            "dropped": float(self._dropped) if self._dropped is not None else None,  # the same on every rank
+            "micro_batches": window.micro_batches,
+            "dropped": float(window.dropped)
+            if window.dropped is not None
+            else None,  # the same on every rank
             "items": items,
             "weights": weights,
             "reference_count": float(reference) if reference is not None else None,
@@ -840,29 +861,36 @@ class GradAccumulator:
             "loss_weight": loss_weight,
             "micro_clips": micro_clips,
             "bad_items": bad_items,
+            "loss_scale": window.loss_scale,
+            "amp_scale": self._amp_scale_value(),
             "tensors": tensors,
         }
 
-    def load_window_state_dict(
-        self, state: Mapping[str, Any], *, primary: bool = True, rescale: float = 1.0
-    ) -> None:
+    def load_window_state_dict(self, state: Mapping[str, Any], *, primary: bool = True) -> None:
         """Re-open a window saved by :meth:`window_state_dict`; nothing changes if it does not fit.
+
+        The saved sums are rescaled from the loss scale (and AMP scale) they were saved with to the current
+        ones, so a window resumes exactly with another K or after the GradScaler changed its scale.
 
         Args:
             state: The saved window.
             primary: Whether this rank takes the saved sums (rank 0); the other ranks start from zero.
-            rescale: Factor for the saved gradients, e.g. new AMP scale / old, or old K / new K.
         """
+        if not self._window.empty:
+            raise RuntimeError(
+                "A saved window can only be loaded between windows (the open one is not empty)."
+            )
         kind = "buffers" if self._buffers is not None else "grads"
         expected = {
             name: (param.shape, self._buffers.dtype if self._buffers is not None else param.dtype)
             for name, param in self._named
         }
-        world_size, _ = self._world()
+        world_size, _ = self._world.resolve()
         check_window_state(state, expected, kind, world_size)
-        self._open_window()
-        for _, param in self._named:
-            param.grad = None
+        now = self._loss_scale * self._amp_scale_value()
+        rescale = now / (float(state.get("loss_scale", 1.0)) * float(state.get("amp_scale", 1.0)))
+        self.reset(set_grads_to_none=True)
+        window = self._window
         saved_tensors = state["tensors"]
         saved: list[Tensor | None] = [
             None
@@ -872,15 +900,16 @@ class GradAccumulator:
             else torch.zeros_like(param, dtype=expected[name][1])
             for name, param in self._named
         ]
+        tally = window.tally
         if primary:
-            self._tally.host_items = float(state["items"])
+            tally.host_items = float(state["items"])
             # format 1 weighted by raw counts: its weights are its items, relative to a reference of 1
-            self._tally.host_weights = float(state.get("weights", state["items"]))
-            self._tally.host_loss_sum = float(state["loss_sum"]) * rescale  # in the gradients' units
-            self._tally.host_loss_weight = float(state["loss_weight"])
+            tally.host_weights = float(state.get("weights", state["items"]))
+            tally.host_loss_sum = float(state["loss_sum"]) * rescale  # in the gradients' units
+            tally.host_loss_weight = float(state["loss_weight"])
             if state["micro_clips"]:
-                self._micro_clips = self._scalar(state["micro_clips"])
-            self._tally.host_bad = float(state["bad_items"])
+                window.micro_clips = float(state["micro_clips"])
+            tally.host_bad = float(state["bad_items"])
         if self.settings.scaling == "weighted":
             reference = state.get("reference_count", 1.0)
             self._reference_count = float(reference) if reference is not None else None
@@ -890,26 +919,5 @@ class GradAccumulator:
             for (_, param), tensor in zip(self._named, saved, strict=True):
                 param.grad = tensor
         if state.get("dropped") is not None:
-            self._dropped = self._scalar(state["dropped"])
-        self._micro_batches = int(state["micro_batches"])
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore counters saved by :meth:`state_dict`; nothing changes if ``state`` does not fit."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"Cannot load accumulator state of version {state.get('version')!r};"
-                f" expected {_STATE_VERSION}."
-            )
-        required = [name for name in _LEDGER_FIELDS if name not in _OPTIONAL_FIELDS]
-        missing = [key for key in (*required, "optimizer_steps", "total_micro_batches") if key not in state]
-        if missing:
-            raise ValueError(f"Accumulator state is missing {missing}.")
-        self._optimizer_steps = int(state["optimizer_steps"])
-        self._total_micro_batches = int(state["total_micro_batches"])
-        self._micro_batches_last_step = int(state.get("micro_batches_last_step", 0))
-        self._peak_memory_bytes = int(state.get("peak_memory_bytes", 0))
-        self._host_ledger = [
-            float(state.get(name, _OPTIONAL_FIELDS.get(name, 0.0))) for name in _LEDGER_FIELDS
-        ]
-        self._host_ledger_fresh = True
-        self._ledger = None
+            window.dropped = self._scalar(state["dropped"])
+        window.restored(in_buffers=self._buffers is not None, micro_batches=int(state["micro_batches"]))

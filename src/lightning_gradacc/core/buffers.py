@@ -161,6 +161,10 @@ class GradBuffers:
         if targets:
             self._copy(targets, sources)
 
+    def forget(self, index: int) -> None:
+        """Take parameter ``index`` out of the open window (its buffer is overwritten next time)."""
+        self._holds[index] = False
+
     def discard(self) -> None:
         """Forget the open window (the next gradients overwrite the buffers)."""
         self._holds = [False] * len(self.params)

@@ -3,8 +3,10 @@
 The boundary of a window needs the total norm (which also reveals ``nan``/``inf``), one in-place multiply
 (normalization and norm clipping folded into one factor) and optionally a clamp. Each is one
 ``torch._foreach_*`` call per (device, dtype) group; scalars stay on the device, so nothing here syncs
-with the host. ``foreach=False`` takes a per-tensor path, as in ``torch.nn.utils.clip_grad_norm_``.
-Gradients are dense (the accumulator rejects sparse ones).
+with the host. The ``foreach`` argument keeps the contract of ``torch.nn.utils.clip_grad_norm_``:
+``None`` uses the fused kernels where the device and tensor type support them and falls back to a
+per-tensor loop elsewhere, ``True`` raises where they are unsupported, ``False`` always loops. Every
+in-place pass runs under ``torch.no_grad()``. Gradients are dense (the accumulator rejects sparse ones).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
 GroupKey = tuple[torch.device, torch.dtype]
 # A flat list, or one already grouped by (device, dtype): reading .device and .dtype of hundreds of
@@ -39,9 +42,65 @@ def _grouped(tensors: Tensors) -> Mapping[GroupKey, list[Tensor]]:
     return tensors if isinstance(tensors, Mapping) else group_by_device_and_dtype(tensors)
 
 
-def _use_foreach(foreach: bool | None) -> bool:
-    # foreach kernels exist for every dense strided tensor on CPU and CUDA; None and True both use them.
-    return foreach is not False
+def use_foreach(foreach: bool | None, device: torch.device, tensors: Sequence[Tensor]) -> bool:
+    """Whether to use the fused kernels for ``tensors`` on ``device``, as ``torch.nn.utils`` decides.
+
+    Raises:
+        RuntimeError: ``foreach=True`` on a device without foreach kernels.
+
+    Example:
+        >>> use_foreach(None, torch.device("cpu"), [torch.zeros(1)])
+        True
+    """
+    if foreach is None:
+        return _has_foreach_support(list(tensors), device)
+    if foreach and not _device_has_foreach_support(device):
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    return foreach
+
+
+def tensor_norms(
+    tensors: Tensors, norm_type: float, *, device: torch.device, foreach: bool | None = None
+) -> list[Tensor]:
+    """The ``norm_type``-norm of each tensor (in group order), as scalars on ``device``.
+
+    Computed in float32 at least (fp16/bf16 squares cannot overflow), float64 for float64 tensors.
+
+    Example:
+        >>> tensor_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0])], 2.0, device=torch.device("cpu"))
+        [tensor(5.), tensor(1.)]
+    """
+    norms: list[Tensor] = []
+    for (group_device, group_dtype), group in _grouped(tensors).items():
+        if not group:
+            continue
+        norm_dtype = torch.promote_types(group_dtype, torch.float32)
+        if use_foreach(foreach, group_device, group):
+            found: Sequence[Tensor] = torch._foreach_norm(group, norm_type, dtype=norm_dtype)
+        else:
+            found = [torch.linalg.vector_norm(t, norm_type, dtype=norm_dtype) for t in group]
+        if group_device != device:
+            found = [n.to(device, non_blocking=True) for n in found]
+        norms.extend(found)
+    return norms
+
+
+def combine_norms(norms: Sequence[Tensor], norm_type: float, *, device: torch.device) -> Tensor:
+    """The norm of all tensors together from their own norms (float64 if any norm is float64).
+
+    Any ``nan`` or ``inf`` element makes the result non-finite, so one pass answers both "how large" and
+    "is it finite".
+
+    Example:
+        >>> combine_norms([torch.tensor(3.0), torch.tensor(4.0)], 2.0, device=torch.device("cpu"))
+        tensor(5.)
+    """
+    if not norms:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if len({n.dtype for n in norms}) > 1:  # float32 and float64 groups: stack in float64
+        norms = [n.to(torch.float64) for n in norms]
+    total: Tensor = torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
+    return total
 
 
 def total_norm(
@@ -49,40 +108,19 @@ def total_norm(
 ) -> Tensor:
     """Return the ``norm_type``-norm of all tensors together as a scalar on ``device``.
 
-    Computed in float32 (float64 when some tensor is float64).
-
-    Any ``nan`` or ``inf`` element makes the result non-finite, so one pass answers both "how large" and
-    "is it finite".
-
     Example:
         >>> total_norm([torch.tensor([3.0]), torch.tensor([4.0])], 2.0, device=torch.device("cpu"))
         tensor(5.)
     """
-    per_tensor: list[Tensor] = []
-    norm_dtypes = set()
-    for (group_device, group_dtype), group in _grouped(tensors).items():
-        if not group:
-            continue
-        # at least float32, so that fp16/bf16 squares cannot overflow; float64 stays float64
-        norm_dtype = torch.promote_types(group_dtype, torch.float32)
-        norm_dtypes.add(norm_dtype)
-        if _use_foreach(foreach):
-            norms: Sequence[Tensor] = torch._foreach_norm(group, norm_type, dtype=norm_dtype)
-        else:
-            norms = [torch.linalg.vector_norm(t, norm_type, dtype=norm_dtype) for t in group]
-        if group_device != device:
-            norms = [n.to(device, non_blocking=True) for n in norms]
-        per_tensor.extend(norms)
-    if not per_tensor:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    if len(norm_dtypes) > 1:  # float32 and float64 groups: stack in float64
-        per_tensor = [n.to(torch.float64) for n in per_tensor]
-    total: Tensor = torch.linalg.vector_norm(torch.stack(per_tensor), norm_type)
-    return total
+    norms = tensor_norms(tensors, norm_type, device=device, foreach=foreach)
+    return combine_norms(norms, norm_type, device=device)
 
 
-def scale_(tensors: Tensors, factor: float | Tensor, *, foreach: bool | None = None) -> None:
-    """Multiply every tensor in place by ``factor`` (a Python number or a scalar tensor on any device).
+@torch.no_grad()
+def scale_(
+    tensors: Tensors, factor: float | Tensor | Sequence[Tensor], *, foreach: bool | None = None
+) -> None:
+    """Multiply every tensor in place by ``factor``: a number, a scalar tensor, or one scalar per tensor.
 
     Example:
         >>> grads = [torch.ones(2)]
@@ -92,21 +130,29 @@ def scale_(tensors: Tensors, factor: float | Tensor, *, foreach: bool | None = N
     """
     if isinstance(factor, (int, float)) and factor == 1.0:
         return
+    offset = 0
     for (group_device, group_dtype), group in _grouped(tensors).items():
         if not group:
             continue
-        local: float | Tensor = factor
-        if isinstance(factor, Tensor):  # in the group's precision (at least float32): no promotion per tensor
-            local = factor.to(
-                group_device, torch.promote_types(group_dtype, torch.float32), non_blocking=True
-            )
-        if _use_foreach(foreach):
+        wide = torch.promote_types(group_dtype, torch.float32)  # the group's: no per-tensor promotion
+        local: list[Tensor] | float | Tensor
+        if isinstance(factor, (int, float)):
+            local = factor
+        elif isinstance(factor, Tensor):
+            local = factor.to(group_device, wide, non_blocking=True)
+        else:
+            local = [
+                f.to(group_device, wide, non_blocking=True) for f in factor[offset : offset + len(group)]
+            ]
+            offset += len(group)
+        if use_foreach(foreach, group_device, group):
             torch._foreach_mul_(group, local)
         else:
-            for tensor in group:
-                tensor.mul_(local)
+            for index, tensor in enumerate(group):
+                tensor.mul_(local[index] if isinstance(local, list) else local)
 
 
+@torch.no_grad()
 def clamp_(tensors: Tensors, bound: float, *, foreach: bool | None = None) -> None:
     """Clamp every element of every tensor to ``[-bound, bound]`` in place.
 
@@ -116,10 +162,10 @@ def clamp_(tensors: Tensors, bound: float, *, foreach: bool | None = None) -> No
         >>> grads[0]
         tensor([-1.0000,  0.5000,  1.0000])
     """
-    for group in _grouped(tensors).values():
+    for (group_device, _), group in _grouped(tensors).items():
         if not group:
             continue
-        if _use_foreach(foreach):
+        if use_foreach(foreach, group_device, group):
             torch._foreach_clamp_min_(group, -bound)
             torch._foreach_clamp_max_(group, bound)
         else:
@@ -143,4 +189,13 @@ def non_finite_names(named_tensors: Sequence[tuple[str, Tensor]], limit: int = 5
     return names
 
 
-__all__ = ["clamp_", "group_by_device_and_dtype", "non_finite_names", "scale_", "total_norm"]
+__all__ = [
+    "clamp_",
+    "combine_norms",
+    "group_by_device_and_dtype",
+    "non_finite_names",
+    "scale_",
+    "tensor_norms",
+    "total_norm",
+    "use_foreach",
+]

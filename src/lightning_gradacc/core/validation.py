@@ -15,6 +15,7 @@ import torch
 Scaling = Literal["mean", "sum", "weighted", "average", "dynamic"]
 OverflowPolicy = Literal["skip", "raise", "ignore", "skip_micro_batch"]
 ClipMode = Literal["step", "micro_batch"]
+ClipScope = Literal["global", "parameter"]
 
 _SCALING_ALIASES = {"average": "mean", "dynamic": "weighted"}
 
@@ -210,6 +211,7 @@ class AccumulationSettings:
     scaling: str = "mean"
     max_grad_norm: float | None = None
     norm_type: float = 2.0
+    clip_scope: str = "global"
     clip_value: float | None = None
     overflow: str = "skip"
     accumulation_dtype: torch.dtype | None = None
@@ -222,6 +224,7 @@ class AccumulationSettings:
         scaling: Any = "mean",
         max_grad_norm: Any = None,
         norm_type: Any = 2.0,
+        clip_scope: Any = "global",
         clip_value: Any = None,
         overflow: Any = "skip",
         accumulation_dtype: Any = None,
@@ -232,6 +235,7 @@ class AccumulationSettings:
             scaling=check_scaling(scaling),
             max_grad_norm=check_optional_positive_float("max_grad_norm", max_grad_norm),
             norm_type=check_norm_type(norm_type),
+            clip_scope=check_choice("clip_scope", clip_scope, ClipScope),
             clip_value=check_optional_positive_float("clip_value", clip_value),
             overflow=check_overflow(overflow),
             accumulation_dtype=resolve_accumulation_dtype(accumulation_dtype),
@@ -240,4 +244,14 @@ class AccumulationSettings:
         check_buffer_settings(
             settings.overflow, settings.clip_mode, settings.accumulation_dtype, settings.max_grad_norm
         )
+        if settings.clip_scope == "parameter" and settings.max_grad_norm is None:
+            raise ValueError(
+                "`clip_scope='parameter'` clips each parameter's gradient to `max_grad_norm`, which is not"
+                " set."
+            )
+        if settings.clip_scope == "parameter" and settings.clip_mode == "micro_batch":
+            raise ValueError(
+                "`clip_scope='parameter'` is not available with `clip_mode='micro_batch'` (which clips each"
+                " micro-batch's global norm); use `clip_mode='step'`."
+            )
         return settings

@@ -1,0 +1,240 @@
+"""The boundary of a window as stateless functions: measure, decide, apply.
+
+``measure`` computes norms (one fused pass), ``decide`` turns a norm and the window's normalization factor
+into the finiteness, the clip coefficient and one multiplier, ``apply_`` multiplies (and clamps) in place.
+``decide`` takes Python numbers or device scalars alike: the accumulator decides on the host when it
+synchronizes anyway (``overflow="skip"``), on the device otherwise, with the same arithmetic.
+:func:`clip_grads_` chains the three, without any host sync, as ``torch.nn.utils.clip_grad_norm_`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .kernels import Tensors, _grouped, clamp_, combine_norms, scale_, tensor_norms
+
+ClipScope = Literal["global", "parameter"]
+Scalar = float | Tensor
+Flag = bool | Tensor  # a host bool when decided on the host, a device bool otherwise
+EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6)
+
+
+@dataclass(frozen=True)
+class Norms:
+    """Norms of the window's summed gradients (before the normalization factor)."""
+
+    total: Scalar  # a device scalar, or its value once copied to the host
+    per_tensor: list[Tensor] | None = None  # in group order; kept for clip_scope="parameter"
+    largest_element: Scalar | None = None  # the inf-norm, for clip_value statistics
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the boundary does to the summed gradients.
+
+    Attributes:
+        norm: Norm of the final gradient before clipping (``total * factor``).
+        finite: Whether every element is finite.
+        clipped: Whether clipping changes the gradient (only meaningful when finite).
+        multiplier: One factor (normalization times global clip coefficient), or one per tensor
+            (``clip_scope="parameter"``).
+    """
+
+    norm: Scalar
+    finite: Flag
+    clipped: Flag
+    multiplier: Scalar | list[Tensor]
+
+
+def measure(
+    grads: Tensors,
+    norm_type: float,
+    *,
+    device: torch.device,
+    foreach: bool | None = None,
+    per_tensor: bool = False,
+    largest_element: bool = False,
+) -> Norms:
+    """Norms of ``grads`` in one fused pass per (device, dtype) group; nothing syncs.
+
+    Args:
+        grads: The summed gradients (a list, or grouped by ``(device, dtype)``).
+        norm_type: Order of the norm (``p > 0`` or ``inf``).
+        device: Where the results go.
+        foreach: The ``torch.nn.utils`` contract (see :func:`~lightning_gradacc.core.kernels.use_foreach`).
+        per_tensor: Keep each tensor's norm (per-parameter clipping).
+        largest_element: Also the largest absolute element (value clipping counts whether it acts).
+
+    Example:
+        >>> measure([torch.tensor([3.0]), torch.tensor([4.0])], 2.0, device=torch.device("cpu")).total
+        tensor(5.)
+    """
+    norms = tensor_norms(grads, norm_type, device=device, foreach=foreach)
+    total = combine_norms(norms, norm_type, device=device)
+    largest: Tensor | None = None
+    if largest_element:
+        largest = (
+            total
+            if norm_type == math.inf
+            else combine_norms(
+                tensor_norms(grads, math.inf, device=device, foreach=foreach), math.inf, device=device
+            )
+        )
+    return Norms(total, norms if per_tensor else None, largest)
+
+
+def _clip_coefficient(norm: Scalar, max_norm: float) -> Scalar:
+    """``min(max_norm / (norm + eps), 1)``, on the host or the device."""
+    if isinstance(norm, Tensor):
+        return torch.clamp(max_norm / (norm + EPS), max=1.0)
+    return min(max_norm / (norm + EPS), 1.0) if not math.isnan(norm) else math.nan
+
+
+def _isfinite(value: Scalar) -> Flag:
+    return torch.isfinite(value) if isinstance(value, Tensor) else math.isfinite(value)
+
+
+def both(a: Flag, b: Flag) -> Flag:
+    """``a and b`` for host or device flags."""
+    return a & b if isinstance(a, Tensor) or isinstance(b, Tensor) else a and b
+
+
+def either(a: Flag, b: Flag) -> Flag:
+    """``a or b`` for host or device flags."""
+    return a | b if isinstance(a, Tensor) or isinstance(b, Tensor) else a or b
+
+
+def negate(a: Flag) -> Flag:
+    """``not a`` for a host or device flag."""
+    return ~a if isinstance(a, Tensor) else not a
+
+
+def decide(
+    norms: Norms | Scalar,
+    factor: Scalar = 1.0,
+    *,
+    max_norm: float | None = None,
+    clip_scope: ClipScope = "global",
+    clip_value: float | None = None,
+    largest_element: Scalar | None = None,
+) -> Decision:
+    """Finiteness, clipping and the multiplier for summed gradients whose final form is ``sum * factor``.
+
+    Args:
+        norms: :func:`measure`'s result, or just the total norm (a number or a device scalar).
+        factor: The normalization (e.g. ``1 / micro_batches``).
+        max_norm: Clip the final gradient's norm (``clip_scope="global"``) or each tensor's norm
+            (``"parameter"``, needs ``norms.per_tensor``) to this value.
+        clip_scope: ``"global"`` or ``"parameter"``.
+        clip_value: Elements will be clamped to ``[-clip_value, clip_value]`` (decides ``clipped`` only).
+        largest_element: The largest absolute element of the sum (``norms.largest_element`` by default).
+
+    Example:
+        >>> decision = decide(10.0, 0.5, max_norm=1.0)
+        >>> decision.norm, decision.finite, decision.clipped, round(decision.multiplier, 6)
+        (5.0, True, True, 0.1)
+    """
+    total = norms.total if isinstance(norms, Norms) else norms
+    if isinstance(total, Tensor) and isinstance(factor, Tensor):
+        factor = factor.to(total.dtype)
+    norm = total * factor
+    finite = _isfinite(norm)
+    multiplier: Scalar | list[Tensor] = factor
+    clipped: Flag = False
+    if max_norm is not None and clip_scope == "parameter":
+        per_tensor = norms.per_tensor if isinstance(norms, Norms) else None
+        if per_tensor is None:
+            raise ValueError(
+                "`clip_scope='parameter'` needs the per-tensor norms: `measure(..., per_tensor=True)`."
+            )
+        if per_tensor:
+            own = torch.stack([n.to(per_tensor[0].dtype) for n in per_tensor]) * factor
+            coefficients = torch.clamp(max_norm / (own + EPS), max=1.0)
+            clipped = (coefficients < 1.0).any()
+            multiplier = list((coefficients * factor).unbind())
+    elif max_norm is not None:
+        coefficient = _clip_coefficient(norm, max_norm)
+        clipped = coefficient < 1.0
+        multiplier = coefficient * factor
+    if clip_value is not None:
+        if largest_element is None and isinstance(norms, Norms):
+            largest_element = norms.largest_element
+        if largest_element is None:
+            raise ValueError("`clip_value` needs the largest element: `measure(..., largest_element=True)`.")
+        if isinstance(multiplier, list):
+            scaled: Scalar = largest_element * factor  # per-tensor clipping only shrinks: an upper bound
+        else:
+            scaled = largest_element * multiplier
+        acts = scaled > clip_value
+        clipped = (
+            clipped | acts if isinstance(clipped, Tensor) or isinstance(acts, Tensor) else clipped or acts
+        )
+    clipped = (
+        clipped & finite if isinstance(clipped, Tensor) or isinstance(finite, Tensor) else clipped and finite
+    )
+    return Decision(norm, finite, both(clipped, finite), multiplier)
+
+
+@torch.no_grad()
+def apply_(
+    grads: Tensors, decision: Decision, *, clip_value: float | None = None, foreach: bool | None = None
+) -> None:
+    """Multiply ``grads`` in place by the decision's multiplier, then clamp to ``clip_value``.
+
+    Example:
+        >>> grads = [torch.tensor([3.0, 4.0])]
+        >>> apply_(grads, decide(5.0, max_norm=1.0))
+        >>> grads[0]
+        tensor([0.6000, 0.8000])
+    """
+    scale_(grads, decision.multiplier, foreach=foreach)
+    if clip_value is not None:
+        clamp_(grads, clip_value, foreach=foreach)
+
+
+@torch.no_grad()
+def clip_grads_(
+    grads: Sequence[Tensor],
+    max_norm: float | None,
+    norm_type: float = 2.0,
+    *,
+    factor: Scalar = 1.0,
+    clip_scope: ClipScope = "global",
+    clip_value: float | None = None,
+    foreach: bool | None = None,
+) -> Tensor:
+    """Scale ``grads`` by ``factor`` and clip them in place, without a host sync; return the unclipped norm.
+
+    With ``factor=1`` and ``clip_scope="global"`` this is ``torch.nn.utils.clip_grad_norm_`` on gradients
+    (``clip_grads_with_norm_(get_total_norm(...))``). ``clip_scope="parameter"`` clips each tensor to
+    ``max_norm`` on its own and returns the global norm.
+
+    Example:
+        >>> grads = [torch.tensor([3.0]), torch.tensor([4.0])]
+        >>> clip_grads_(grads, max_norm=1.0)
+        tensor(5.)
+        >>> [round(float(g), 4) for g in grads]
+        [0.6, 0.8]
+    """
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return torch.zeros(())
+    device = grads[0].device
+    grouped = _grouped(grads)
+    norms = measure(
+        grouped,
+        norm_type,
+        device=device,
+        foreach=foreach,
+        per_tensor=clip_scope == "parameter",
+        largest_element=clip_value is not None,
+    )
+    decision = decide(norms, factor, max_norm=max_norm, clip_scope=clip_scope, clip_value=clip_value)
+    apply_(grouped, decision, clip_value=clip_value, foreach=foreach)
+    return decision.norm if isinstance(decision.norm, Tensor) else torch.tensor(decision.norm)

@@ -1,0 +1,159 @@
+"""The ledger: value-dependent statistics, declared once, folded over windows without a host sync.
+
+Each statistic is declared once in :data:`STATISTICS` with how it folds over windows (``sum``, ``max`` or
+``last``); reset, folding, syncing, the snapshot and the checkpoint form are generic over that table.
+Every value is computed from quantities already summed over ranks, so it is the same on every rank.
+
+A window's values are Python numbers when the accumulator synced anyway (``overflow="skip"`` decides on
+the host), or device scalars otherwise. Device rows wait in a list and are copied to the host in one sync
+when the statistics are read (or every :data:`MAX_PENDING` windows, to bound memory); no kernel runs per
+window for numbers that are already on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Fold = Literal["sum", "max", "last"]
+Scalar = float | Tensor
+MAX_PENDING = 1024
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """One value-dependent statistic: its name, how windows fold into it, and its names in 0.1 states."""
+
+    name: str
+    fold: Fold
+    old_name: str | None = None
+
+
+STATISTICS = (
+    Statistic("skipped_steps", "sum"),
+    Statistic("non_finite_windows", "sum", old_name="overflow_count"),
+    Statistic("dropped_micro_batches", "sum"),
+    Statistic("empty_windows", "sum"),
+    Statistic("clipped_steps", "sum", old_name="clip_count"),
+    Statistic("last_grad_norm", "last"),
+    Statistic("max_grad_norm_seen", "max"),
+    Statistic("items_last_step", "last"),
+    Statistic("window_loss", "last"),
+)
+NAMES = tuple(statistic.name for statistic in STATISTICS)
+COUNTERS = tuple(statistic.name for statistic in STATISTICS if statistic.fold == "sum")
+# old name in a 0.1 state -> name now
+RENAMED = {s.old_name: s.name for s in STATISTICS if s.old_name is not None} | {"optimizer_steps": "windows"}
+_FOLD = {statistic.name: statistic.fold for statistic in STATISTICS}
+
+
+def _fold(fold: Fold, old: float, new: float) -> float:
+    if fold == "sum":
+        return old + new
+    if fold == "max":
+        return new if math.isfinite(new) and not new <= old else old  # a non-finite norm is not a maximum
+    return new
+
+
+class Ledger:
+    """The folded statistics, on the host, plus device rows not yet copied.
+
+    Args:
+        dtype: Dtype of the device rows (float64, or float32 where the device has none).
+
+    Example:
+        >>> ledger = Ledger(torch.float64)
+        >>> ledger.fold({"skipped_steps": 1.0, "last_grad_norm": torch.tensor(2.0)})
+        >>> ledger.fold({"skipped_steps": 0.0, "last_grad_norm": 3.0})
+        >>> ledger.values()["skipped_steps"], ledger.values()["max_grad_norm_seen"]
+        (1.0, 3.0)
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._host = dict.fromkeys(NAMES, 0.0)
+        self._host["window_loss"] = math.nan
+        # windows not folded yet: (host values, names of device values, their stacked row)
+        self._pending: list[tuple[dict[str, float], tuple[str, ...], Tensor]] = []
+
+    def fold(self, window: Mapping[str, Scalar], *, count: bool = True) -> None:
+        """Fold one window's values in; ``max_grad_norm_seen`` follows ``last_grad_norm``.
+
+        Args:
+            window: A value for some statistics (the others: 0 for counters, unchanged otherwise).
+            count: ``False`` for a window evaluated again (LBFGS): counters do not advance.
+        """
+        values = dict(window)
+        if "last_grad_norm" in values:
+            values["max_grad_norm_seen"] = values["last_grad_norm"]
+        if not count:
+            for name in COUNTERS:
+                values.pop(name, None)
+        host = {name: float(v) for name, v in values.items() if not isinstance(v, Tensor)}
+        on_device = tuple(name for name, v in values.items() if isinstance(v, Tensor))
+        if not on_device and not self._pending:
+            self._fold_host(host)
+            return
+        row = (
+            torch.stack([values[name].to(self.dtype).reshape(()) for name in on_device])  # type: ignore[union-attr]
+            if on_device
+            else torch.empty(0, dtype=self.dtype)
+        )
+        self._pending.append((host, on_device, row))
+        if len(self._pending) >= MAX_PENDING:
+            self.sync()
+
+    def _fold_host(self, values: Mapping[str, float]) -> None:
+        for name, value in values.items():
+            self._host[name] = _fold(_FOLD[name], self._host[name], value)
+
+    @property
+    def fresh(self) -> bool:
+        """Whether every window is folded on the host (reading costs no sync)."""
+        return not self._pending
+
+    def sync(self, *extra: Tensor) -> list[float]:
+        """Copy the pending rows (and ``extra`` device scalars) to the host in one sync; fold them.
+
+        Returns:
+            The values of ``extra``.
+        """
+        rows = [row for _, _, row in self._pending if row.numel()]
+        if len(extra) == 1 and not rows:  # the common case: one scalar, one copy
+            copied = [float(extra[0].item())]
+        else:
+            flat = [t.to(self.dtype).reshape(1) for t in extra] + rows
+            copied = torch.cat(flat).tolist() if flat else []  # all on the accumulator's device
+        extra_values, offset = copied[: len(extra)], len(extra)
+        for host, names, row in self._pending:
+            device_values = copied[offset : offset + row.numel()]
+            offset += row.numel()
+            self._fold_host({**host, **dict(zip(names, device_values, strict=True))})
+        self._pending.clear()
+        return extra_values
+
+    def values(self) -> dict[str, float]:
+        """Every statistic by name (syncs once if device rows are pending)."""
+        if self._pending:
+            self.sync()
+        return dict(self._host)
+
+    def state_dict(self) -> dict[str, float]:
+        """The statistics as plain numbers."""
+        return self.values()
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        """Restore saved statistics; a state saved by 0.1 (old names, no ``dropped_micro_batches``) loads."""
+        loaded = dict.fromkeys(NAMES, 0.0)
+        loaded["window_loss"] = math.nan
+        for name, value in state.items():
+            name = RENAMED.get(name, name)
+            if name in loaded:
+                loaded[name] = float(value)
+        self._host = loaded
+        self._pending.clear()

@@ -1,0 +1,109 @@
+"""AccumulationStats: what the accumulator measured, as plain Python numbers.
+
+Every field is named for what it counts. Names used by 0.1 (``optimizer_steps``, ``current_step``,
+``overflow_count``, ``clip_count``) still read, with a ``FutureWarning``, for one version; checkpoints
+saved under them still load (see :data:`~lightning_gradacc.core.ledger.RENAMED`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class AccumulationStats:
+    """A snapshot of the accumulator's statistics.
+
+    Attributes:
+        accumulation_steps: Micro-batches per window now (K).
+        open_window_micro_batches: Micro-batches recorded in the window that is still open.
+        windows: Windows closed: stepped, skipped (not finite) or empty (nothing in them).
+        steps_taken: Windows that ended in an optimizer step (``windows - skipped_steps - empty_windows``).
+        total_micro_batches: Micro-batches recorded since creation (re-evaluations by LBFGS not counted).
+        skipped_steps: Windows not stepped because their gradient was not finite (by the accumulator, or
+            by a ``GradScaler``).
+        non_finite_windows: Windows whose accumulated gradient was not finite (skipped or not, depending on
+            ``overflow``).
+        dropped_micro_batches: Micro-batches dropped by ``overflow="skip_micro_batch"``.
+        empty_windows: Windows that took no step because nothing was in them: every ``training_step``
+            returned ``None`` (or backward was skipped, as in ``StochasticWeightAveraging``'s BatchNorm
+            epoch), or ``scaling="weighted"`` counted 0 items in total.
+        clipped_steps: Windows whose gradient clipping changed (with ``clip_mode="micro_batch"``: where it
+            changed some micro-batch's gradient).
+        last_grad_norm: Total gradient norm of the last window, after scaling and before clipping.
+        max_grad_norm_seen: Largest finite ``last_grad_norm`` so far.
+        items_last_step: Items (samples, tokens) in the last window, summed over ranks: the real effective
+            batch size (a float: counts such as ``attention_mask.float().sum()`` need not be integers).
+        micro_batches_last_step: Micro-batches in the last window (k, which is < K for a partial window).
+        num_parameters: Trainable parameter elements tracked.
+        buffer_bytes: Extra memory held by the accumulator (0: gradients accumulate in ``.grad``).
+        peak_memory_bytes: Peak device memory during the last window (CUDA allocator peak on GPU,
+            process resident-set peak on CPU).
+
+    Example:
+        >>> stats = AccumulationStats(accumulation_steps=4, windows=3, skipped_steps=1)
+        >>> stats.steps_taken, stats.as_dict()["accumulation_steps"]
+        (2, 4)
+    """
+
+    accumulation_steps: int = 1
+    open_window_micro_batches: int = 0
+    windows: int = 0
+    total_micro_batches: int = 0
+    skipped_steps: int = 0
+    non_finite_windows: int = 0
+    dropped_micro_batches: int = 0
+    empty_windows: int = 0
+    clipped_steps: int = 0
+    last_grad_norm: float = 0.0
+    max_grad_norm_seen: float = 0.0
+    items_last_step: float = 0.0
+    micro_batches_last_step: int = 0
+    num_parameters: int = 0
+    buffer_bytes: int = 0
+    peak_memory_bytes: int = 0
+
+    @property
+    def steps_taken(self) -> int:
+        """Windows that ended in an optimizer step."""
+        return self.windows - self.skipped_steps - self.empty_windows
+
+    def as_dict(self) -> dict[str, int | float]:
+        """Return the fields by name, in declaration order, and ``steps_taken``."""
+        values = asdict(self)
+        values["steps_taken"] = self.steps_taken
+        return values
+
+    # Names of 0.1, kept readable for one version.
+    @property
+    def optimizer_steps(self) -> int:
+        """Deprecated: windows closed (it counted skipped and empty ones too). Use ``windows``."""
+        _renamed("optimizer_steps", "windows` (or `steps_taken` for steps that happened")
+        return self.windows
+
+    @property
+    def current_step(self) -> int:
+        """Deprecated: use ``open_window_micro_batches``."""
+        _renamed("current_step", "open_window_micro_batches")
+        return self.open_window_micro_batches
+
+    @property
+    def overflow_count(self) -> int:
+        """Deprecated: ``non_finite_windows + dropped_micro_batches``; use those."""
+        _renamed("overflow_count", "non_finite_windows` and `dropped_micro_batches")
+        return self.non_finite_windows + self.dropped_micro_batches
+
+    @property
+    def clip_count(self) -> int:
+        """Deprecated: use ``clipped_steps``."""
+        _renamed("clip_count", "clipped_steps")
+        return self.clipped_steps
+
+
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(
+        f"`AccumulationStats.{old}` is renamed: use `{new}`. The old name goes in the next version.",
+        FutureWarning,
+        stacklevel=3,
+    )
