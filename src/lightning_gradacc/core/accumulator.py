@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -68,6 +68,15 @@ class ItemCount:
         if isinstance(weight, Tensor):
             weight = weight.to(loss.device, non_blocking=True)
         return loss.mul_(weight) if in_place else loss * weight
+
+
+def _mean_loss(loss_sum: Scalar, loss_weight: Scalar, loss_scale: Scalar) -> Scalar:
+    """``loss_sum / loss_weight / loss_scale`` with as few kernels as its operands allow (nan if no loss)."""
+    if isinstance(loss_weight, Tensor) or isinstance(loss_scale, Tensor):
+        return loss_sum / (loss_weight * loss_scale)
+    if not loss_weight:
+        return math.nan
+    return loss_sum * (1.0 / (loss_weight * loss_scale))
 
 
 class GradAccumulator:
@@ -344,8 +353,11 @@ class GradAccumulator:
         return scale
 
     def _amp_scale_value(self) -> float:
-        """The GradScaler's scale as a number (syncs; checkpoints only). Before its first ``scale()`` call
-        the scaler has no ``_scale`` tensor yet: ``get_scale()`` gives the scale it will start from."""
+        """The GradScaler's scale as a number (syncs: for checkpoints only).
+
+        Before its first ``scale()`` call the scaler has no ``_scale`` tensor yet; ``get_scale()`` gives the
+        scale it will start from.
+        """
         return float(self._scaler.get_scale()) if self._scaler is not None else 1.0
 
     def _gradient_scale(self) -> Scalar:
@@ -596,12 +608,13 @@ class GradAccumulator:
         total: Scalar = norms.total
         largest: Scalar | None = norms.largest_element
         if self._decides_on_host:  # the one host sync of this step; the statistics come along
-            values = [*astuple(totals), total, largest, dropped, micro_clips]
+            values = [*totals.values(), total, largest, dropped, micro_clips]
             on_device = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
-            for i, value in zip(on_device, self._ledger.sync(*(values[i] for i in on_device)), strict=True):
+            copied = self._ledger.sync(*(values[i] for i in on_device))  # type: ignore[arg-type]
+            for i, value in zip(on_device, copied, strict=True):
                 values[i] = value
-            totals = WindowTotals(*values[:5])
-            total, largest, dropped, micro_clips = values[5:]
+            totals = WindowTotals(*values[:5])  # type: ignore[arg-type]
+            total, largest, dropped, micro_clips = values[5:]  # type: ignore[assignment]
         factor = self._normalization(totals.weights, dropped, world_size)
         decision = decide(
             Norms(total, norms.per_tensor),
@@ -616,7 +629,17 @@ class GradAccumulator:
         skips = self._scaler is not None or settings.overflow in ("skip", "skip_micro_batch")
         amp = self._amp_scale()
         loss_scale = window.loss_scale * amp if amp is not None else window.loss_scale
-        loss_weight = totals.loss_weight
+        if all_reduce is not None:  # summed over ranks already
+            loss_sum, loss_weight = totals.loss_sum, totals.loss_weight
+
+            def window_loss() -> Scalar:
+                return _mean_loss(loss_sum, loss_weight, loss_scale)
+
+        else:  # computed only if read before the next window closes
+
+            def window_loss() -> Scalar:
+                return _mean_loss(*window.tally.loss_totals(), loss_scale)
+
         self._ledger.fold(
             {
                 "non_finite_windows": negate(decision.finite),
@@ -626,9 +649,7 @@ class GradAccumulator:
                 "clipped_steps": either(decision.clipped, micro_clips > 0),
                 "last_grad_norm": decision.norm,
                 "items_last_step": totals.items,
-                "window_loss": totals.loss_sum / loss_weight / loss_scale
-                if isinstance(loss_weight, Tensor) or loss_weight
-                else math.nan,
+                "window_loss": window_loss,
             },
             count=not reevaluation,
         )
@@ -664,11 +685,11 @@ class GradAccumulator:
             self._window = self._new_window()
 
     def _window_totals(self, all_reduce: AllReduce | None) -> WindowTotals:
-        """The window's totals, summed over ranks (one small all-reduce)."""
-        totals = self._window.tally.totals()
+        """The window's totals, summed over ranks (one small all-reduce); alone, without the loss totals."""
+        totals = self._window.tally.totals(with_loss=all_reduce is not None)
         if all_reduce is None:
             return totals
-        packed = torch.stack([self._scalar(value) for value in astuple(totals)])
+        packed = torch.stack([self._scalar(value) for value in totals.values()])
         return WindowTotals(*all_reduce(packed).unbind())
 
     def _normalization(self, weights: Scalar, dropped: Scalar, world_size: int) -> Scalar:
@@ -843,7 +864,7 @@ class GradAccumulator:
             tensors[name] = summed(local).cpu()
         totals = window.tally.totals()
         micro_clips = window.micro_clips if window.micro_clips is not None else 0.0
-        counters = torch.stack([self._scalar(value) for value in (*astuple(totals), micro_clips)])
+        counters = torch.stack([self._scalar(value) for value in (*totals.values(), micro_clips)])
         items, weights, loss_sum, loss_weight, bad_items, micro_clips = summed(counters).tolist()
         reference = self._reference_count
         return {

@@ -101,13 +101,21 @@ def _isfinite(value: Scalar) -> Flag:
 
 
 def both(a: Flag, b: Flag) -> Flag:
-    """``a and b`` for host or device flags."""
-    return a & b if isinstance(a, Tensor) or isinstance(b, Tensor) else a and b
+    """``a and b`` for host or device flags (a host operand decides without a kernel where it can)."""
+    if not isinstance(a, Tensor):
+        return b if a else False
+    if not isinstance(b, Tensor):
+        return a if b else False
+    return a & b
 
 
 def either(a: Flag, b: Flag) -> Flag:
-    """``a or b`` for host or device flags."""
-    return a | b if isinstance(a, Tensor) or isinstance(b, Tensor) else a or b
+    """``a or b`` for host or device flags (a host operand decides without a kernel where it can)."""
+    if not isinstance(a, Tensor):
+        return True if a else b
+    if not isinstance(b, Tensor):
+        return True if b else a
+    return a | b
 
 
 def negate(a: Flag) -> Flag:

@@ -11,12 +11,13 @@ in-place pass runs under ``torch.no_grad()``. Gradients are dense (the accumulat
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
-from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
+from torch.utils._foreach_utils import _device_has_foreach_support
 
 GroupKey = tuple[torch.device, torch.dtype]
 # A flat list, or one already grouped by (device, dtype): reading .device and .dtype of hundreds of
@@ -42,6 +43,23 @@ def _grouped(tensors: Tensors) -> Mapping[GroupKey, list[Tensor]]:
     return tensors if isinstance(tensors, Mapping) else group_by_device_and_dtype(tensors)
 
 
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """``dtype`` widened to float32 (fp16/bf16 squares and factors would overflow or round).
+
+    Example:
+        >>> at_least_float32(torch.bfloat16), at_least_float32(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    if dtype is torch.float32 or dtype is torch.float64:  # no dispatcher call on the hot path
+        return dtype
+    return torch.promote_types(dtype, torch.float32)
+
+
+@functools.cache
+def _device_type_has_foreach(device_type: str) -> bool:
+    return _device_has_foreach_support(torch.device(device_type))
+
+
 def use_foreach(foreach: bool | None, device: torch.device, tensors: Sequence[Tensor]) -> bool:
     """Whether to use the fused kernels for ``tensors`` on ``device``, as ``torch.nn.utils`` decides.
 
@@ -52,9 +70,9 @@ def use_foreach(foreach: bool | None, device: torch.device, tensors: Sequence[Te
         >>> use_foreach(None, torch.device("cpu"), [torch.zeros(1)])
         True
     """
-    if foreach is None:
-        return _has_foreach_support(list(tensors), device)
-    if foreach and not _device_has_foreach_support(device):
+    if foreach is None:  # as torch's _has_foreach_support, with the device's answer cached
+        return _device_type_has_foreach(device.type) and all(type(t) is Tensor for t in tensors)
+    if foreach and not _device_type_has_foreach(device.type):
         raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
     return foreach
 
@@ -74,7 +92,7 @@ def tensor_norms(
     for (group_device, group_dtype), group in _grouped(tensors).items():
         if not group:
             continue
-        norm_dtype = torch.promote_types(group_dtype, torch.float32)
+        norm_dtype = at_least_float32(group_dtype)
         if use_foreach(foreach, group_device, group):
             found: Sequence[Tensor] = torch._foreach_norm(group, norm_type, dtype=norm_dtype)
         else:
@@ -134,7 +152,7 @@ def scale_(
     for (group_device, group_dtype), group in _grouped(tensors).items():
         if not group:
             continue
-        wide = torch.promote_types(group_dtype, torch.float32)  # the group's: no per-tensor promotion
+        wide = at_least_float32(group_dtype)  # the group's precision: no promotion per tensor
         local: list[Tensor] | float | Tensor
         if isinstance(factor, (int, float)):
             local = factor

@@ -13,7 +13,7 @@ window for numbers that are already on the host.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,6 +22,7 @@ from torch import Tensor
 
 Fold = Literal["sum", "max", "last"]
 Scalar = float | Tensor
+Deferred = Callable[[], Scalar]  # a "last" value computed only if it is read before the next window
 MAX_PENDING = 1024
 
 
@@ -80,15 +81,25 @@ class Ledger:
         self._host["window_loss"] = math.nan
         # windows not folded yet: (host values, names of device values, their stacked row)
         self._pending: list[tuple[dict[str, float], tuple[str, ...], Tensor]] = []
+        self._deferred: dict[str, Deferred] = {}  # the newest value of a "last" field, not computed yet
 
-    def fold(self, window: Mapping[str, Scalar], *, count: bool = True) -> None:
+    def fold(self, window: Mapping[str, Scalar | Deferred], *, count: bool = True) -> None:
         """Fold one window's values in; ``max_grad_norm_seen`` follows ``last_grad_norm``.
 
         Args:
-            window: A value for some statistics (the others: 0 for counters, unchanged otherwise).
+            window: A value for some statistics (the others: 0 for counters, unchanged otherwise). A
+                ``"last"`` statistic may be given as a function, called only if it is read before a newer
+                value arrives (the window loss costs kernels no one may ever read).
             count: ``False`` for a window evaluated again (LBFGS): counters do not advance.
         """
-        values = dict(window)
+        values: dict[str, Scalar] = {}
+        for name, value in window.items():
+            self._deferred.pop(name, None)
+            if callable(value):
+                assert _FOLD[name] == "last", name
+                self._deferred[name] = value
+            else:
+                values[name] = value
         if "last_grad_norm" in values:
             values["max_grad_norm_seen"] = values["last_grad_norm"]
         if not count:
@@ -99,14 +110,37 @@ class Ledger:
         if not on_device and not self._pending:
             self._fold_host(host)
             return
-        row = (
-            torch.stack([values[name].to(self.dtype).reshape(()) for name in on_device])  # type: ignore[union-attr]
-            if on_device
-            else torch.empty(0, dtype=self.dtype)
-        )
+        if on_device:
+            row, order = self._stack([values[name] for name in on_device])  # type: ignore[misc]
+            on_device = tuple(on_device[i] for i in order)
+        else:
+            row = torch.empty(0)
         self._pending.append((host, on_device, row))
         if len(self._pending) >= MAX_PENDING:
             self.sync()
+
+    def _stack(self, scalars: list[Tensor], *, cast: bool = True) -> tuple[Tensor, list[int]]:
+        """One vector of the ledger's dtype from scalars: a stack and a cast per dtype among them.
+
+        ``cast=False`` keeps a single dtype as it is (for a vector that is only copied to the host).
+
+        Returns:
+            The vector and, for each of its elements, the index of the scalar it holds.
+        """
+        scalars = [t if t.dim() == 0 else t.reshape(()) for t in scalars]
+        groups: dict[torch.dtype, list[int]] = {}
+        for index, scalar in enumerate(scalars):
+            groups.setdefault(scalar.dtype, []).append(index)
+        if not cast and len(groups) == 1:
+            return torch.stack(scalars), list(range(len(scalars)))
+        parts = [
+            torch.stack([scalars[i] for i in indices])
+            if dtype == self.dtype
+            else torch.stack([scalars[i] for i in indices]).to(self.dtype)
+            for dtype, indices in groups.items()
+        ]
+        order = [i for indices in groups.values() for i in indices]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), order
 
     def _fold_host(self, values: Mapping[str, float]) -> None:
         for name, value in values.items():
@@ -124,11 +158,19 @@ class Ledger:
             The values of ``extra``.
         """
         rows = [row for _, _, row in self._pending if row.numel()]
-        if len(extra) == 1 and not rows:  # the common case: one scalar, one copy
+        if len(extra) == 1 and not rows:  # one scalar, one copy
             copied = [float(extra[0].item())]
-        else:
-            flat = [t.to(self.dtype).reshape(1) for t in extra] + rows
-            copied = torch.cat(flat).tolist() if flat else []  # all on the accumulator's device
+        else:  # one vector, one copy (everything is on the accumulator's device)
+            order = list(range(len(extra)))
+            vectors = list(rows)
+            if extra:
+                vector, order = self._stack(list(extra), cast=bool(rows))
+                vectors.insert(0, vector)
+            copied = (vectors[0] if len(vectors) == 1 else torch.cat(vectors)).tolist()
+            in_order = [0.0] * len(extra)
+            for position, index in enumerate(order):
+                in_order[index] = copied[position]
+            copied[: len(extra)] = in_order
         extra_values, offset = copied[: len(extra)], len(extra)
         for host, names, row in self._pending:
             device_values = copied[offset : offset + row.numel()]
@@ -138,9 +180,13 @@ class Ledger:
         return extra_values
 
     def values(self) -> dict[str, float]:
-        """Every statistic by name (syncs once if device rows are pending)."""
+        """Every statistic by name (syncs once if device rows are pending or a deferred value is a tensor)."""
         if self._pending:
             self.sync()
+        for name, compute in self._deferred.items():
+            value = compute()
+            self._host[name] = float(value.item()) if isinstance(value, Tensor) else float(value)
+        self._deferred.clear()
         return dict(self._host)
 
     def state_dict(self) -> dict[str, float]:
@@ -157,3 +203,4 @@ class Ledger:
                 loaded[name] = float(value)
         self._host = loaded
         self._pending.clear()
+        self._deferred.clear()

@@ -23,6 +23,10 @@ class WindowTotals:
     loss_weight: Tensor | float
     bad_items: Tensor | float  # number of invalid item counts
 
+    def values(self) -> tuple[Tensor | float, ...]:
+        """The totals in field order (``dataclasses.astuple`` would deep-copy every tensor)."""
+        return (self.items, self.weights, self.loss_sum, self.loss_weight, self.bad_items)
+
 
 @dataclass(frozen=True)
 class InvalidCount:
@@ -31,6 +35,14 @@ class InvalidCount:
     flag: Tensor  # device bool: the value was negative or not finite
     value: Tensor
     label: str
+
+
+def _sum(first: Tensor, losses: list[Tensor]) -> Tensor:
+    """Sum scalar losses in one stack and one reduction (in float32 at least: fp16 sums overflow)."""
+    if all(t.dim() == 0 and t.dtype == first.dtype and t.device == first.device for t in losses):
+        wide = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
+        return torch.sum(torch.stack(losses), dtype=wide)
+    return torch.stack([t.reshape(()).to(torch.float64) for t in losses]).sum()
 
 
 class WindowTally:
@@ -120,17 +132,28 @@ class WindowTally:
             return torch.stack(scalars).to(device=self.device, dtype=self.dtype, non_blocking=True)
         return torch.stack([self._scalar(t) for t in scalars])
 
-    def totals(self) -> WindowTotals:
-        """Sum the window: a few kernels when tensors were recorded, none otherwise."""
-        items: Tensor | float = self.host_items
-        if self.item_tensors:
-            items = self._vector(self.item_tensors).sum() + self.host_items
-        weights: Tensor | float = self.host_weights
-        if self.weight_tensors:
-            weights = self._vector(self.weight_tensors).sum() + self.host_weights
-        bad_items: Tensor | float = float(len(self.problems)) + self.host_bad
-        if self.checks:
-            bad_items = self._vector([check.flag for check in self.checks]).sum() + bad_items
+    def _total(self, scalars: list[Tensor], host: float) -> Tensor | float:
+        """``host`` plus the sum of ``scalars`` (two kernels, three if ``host`` is not 0)."""
+        if not scalars:
+            return host
+        total = self._vector(scalars).sum()
+        return total + host if host else total
+
+    def totals(self, *, with_loss: bool = True) -> WindowTotals:
+        """Sum the window: a few kernels when tensors were recorded, none otherwise.
+
+        ``with_loss=False`` leaves the loss totals at 0 (see :meth:`loss_totals`, callable later).
+        """
+        items = self._total(self.item_tensors, self.host_items)
+        weights = self._total(self.weight_tensors, self.host_weights)
+        bad_items = self._total(
+            [check.flag for check in self.checks], float(len(self.problems)) + self.host_bad
+        )
+        loss_sum, loss_weight = self.loss_totals() if with_loss else (0.0, 0.0)
+        return WindowTotals(items, weights, loss_sum, loss_weight, bad_items)
+
+    def loss_totals(self) -> tuple[Tensor | float, Tensor | float]:
+        """The item-weighted sum of the recorded losses and the sum of their weights."""
         loss_sum: Tensor | float = self.host_loss_sum
         loss_weight: Tensor | float = self.host_loss_weight
         # A micro-batch with 0 items has no loss (a mean over nothing is nan): it weighs nothing here either.
@@ -139,20 +162,24 @@ class WindowTally:
         if host_only:
             pairs = [(loss, w) for loss, w in pairs if w != 0]
         if pairs:
-            losses = self._vector([loss for loss, _ in pairs])
-            if host_only:
+            if host_only and len({float(w) for _, w in pairs}) == 1:
+                # the common case, one micro-batch size: one stack, one sum, one multiply
+                weight = float(pairs[0][1])
+                loss_sum = _sum(pairs[0][0], [loss for loss, _ in pairs]) * weight
+                loss_weight = weight * len(pairs) + self.host_loss_weight
+            elif host_only:  # a scalar list: no host-to-device copy
+                losses = self._vector([loss for loss, _ in pairs])
                 host_weights = [float(w) for _, w in pairs]
-                if len(set(host_weights)) == 1:  # the common case: one micro-batch size
-                    loss_sum = losses.sum() * host_weights[0]
-                else:  # a scalar list: no host-to-device copy
-                    loss_sum = torch.stack(torch._foreach_mul(list(losses.unbind()), host_weights)).sum()
+                loss_sum = torch.stack(torch._foreach_mul(list(losses.unbind()), host_weights)).sum()
                 loss_weight = float(sum(host_weights)) + self.host_loss_weight
             else:
+                losses = self._vector([loss for loss, _ in pairs])
                 weight_vector = torch.stack([self._scalar(w) for _, w in pairs])
                 loss_sum = torch.where(weight_vector > 0, losses * weight_vector, 0.0).sum()
                 loss_weight = weight_vector.sum() + self.host_loss_weight
-            loss_sum = loss_sum + self.host_loss_sum
-        return WindowTotals(items, weights, loss_sum, loss_weight, bad_items)
+            if self.host_loss_sum:
+                loss_sum = loss_sum + self.host_loss_sum
+        return loss_sum, loss_weight
 
     def invalid_counts(self) -> list[str]:
         """Describe every invalid count of the window (syncs: for the error path only)."""
