@@ -159,6 +159,27 @@ def test_no_host_sync_while_accumulating_and_one_per_step() -> None:
         assert counter.calls == ["tolist"]
 
 
+def test_statistics_announced_at_the_boundary_ride_in_its_one_sync() -> None:
+    net = h.regression_net()
+    x, y = h.regression_data(16).tensors
+    counter = SyncCounter()
+    losses = []
+    with counter.patched():
+        for read in (False, True):
+            accumulator = GradAccumulator(net.parameters(), 4)
+            for index in range(4):
+                loss = h.mse(net, x[index * 4 : index * 4 + 4], y[index * 4 : index * 4 + 4])
+                losses.append(float(loss))
+                accumulator.backward(loss, items=4)
+            counter.calls.clear()
+            with counter.counting():
+                assert accumulator.finalize(read_statistics=read)
+                window_loss = accumulator.window_loss
+            assert len(counter.calls) == (1 if read else 2)  # the decision, then the loss when read late
+            assert window_loss == pytest.approx(sum(losses[-4:]) / 4, rel=1e-6)
+            net.zero_grad()
+
+
 def test_ignore_policy_does_not_sync_at_the_boundary() -> None:
     net = nn.Linear(3, 1)
     accumulator = GradAccumulator(net.parameters(), 2, overflow="ignore", max_grad_norm=1.0)

@@ -674,7 +674,9 @@ class GradientAccumulationLogic(_LogicBase):
             assert self._scaler is not None
             accumulator.flush_to_grad()  # the scaler unscales and checks `.grad`
             self._scaler.unscale_(optimizer)
-        stepped = accumulator.finalize(reevaluation=self._finalized_in_batch)
+        # Logged at this batch's end: the statistics then come along in the step's one sync.
+        logs = self.log_stats and bool(trainer.loggers) and trainer._logger_connector.should_update_logs
+        stepped = accumulator.finalize(reevaluation=self._finalized_in_batch, read_statistics=logs)
         self._finalized_in_batch = self._stepped = True
         if steps_itself:
             assert self._scaler is not None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -563,12 +563,15 @@ class GradAccumulator:
         """Whether the step's decision needs a host sync anyway (then every scalar comes along in it)."""
         return self._scaler is None and self.settings.overflow != "ignore"
 
-    def finalize(self, *, reevaluation: bool = False) -> bool:
+    def finalize(self, *, reevaluation: bool = False, read_statistics: bool = False) -> bool:
         """Turn the window's summed gradients into the final gradient, in place; close the window.
 
         Args:
             reevaluation: The window just finalized, evaluated again for the same step (LBFGS's closure):
                 the statistics of the step are updated but no counter advances.
+            read_statistics: The statistics will be read before the next window closes (e.g. logged):
+                the window loss is then computed now and copied in this step's one sync, instead of in
+                a second sync when it is read.
 
         Returns:
             Whether the optimizer should step. ``False`` for a skipped non-finite window and for an empty
@@ -607,14 +610,23 @@ class GradAccumulator:
         micro_clips: Scalar = window.micro_clips if window.micro_clips is not None else 0.0
         total: Scalar = norms.total
         largest: Scalar | None = norms.largest_element
+        amp = self._amp_scale()
+        loss_scale = window.loss_scale * amp if amp is not None else window.loss_scale
+        loss: tuple[Scalar, Scalar] | None = None
+        if all_reduce is not None:  # summed over ranks already
+            loss = (totals.loss_sum, totals.loss_weight)
+        elif read_statistics:
+            loss = window.tally.loss_totals()
         if self._decides_on_host:  # the one host sync of this step; the statistics come along
-            values = [*totals.values(), total, largest, dropped, micro_clips]
+            values = [*totals.values(), total, largest, dropped, micro_clips, *(loss or ())]
             on_device = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
-            copied = self._ledger.sync(*(values[i] for i in on_device))  # type: ignore[arg-type]
+            copied = self._ledger.sync(*(values[i] for i in on_device))
             for i, value in zip(on_device, copied, strict=True):
                 values[i] = value
-            totals = WindowTotals(*values[:5])  # type: ignore[arg-type]
-            total, largest, dropped, micro_clips = values[5:]  # type: ignore[assignment]
+            totals = WindowTotals(*values[:5])
+            total, largest, dropped, micro_clips = values[5:9]
+            if loss is not None:
+                loss = (values[9], values[10])
         factor = self._normalization(totals.weights, dropped, world_size)
         decision = decide(
             Norms(total, norms.per_tensor),
@@ -627,15 +639,10 @@ class GradAccumulator:
         has_items: Flag = totals.weights > 0 if settings.scaling == "weighted" else True
         live = both(decision.finite, dropped < window.micro_batches)
         skips = self._scaler is not None or settings.overflow in ("skip", "skip_micro_batch")
-        amp = self._amp_scale()
-        loss_scale = window.loss_scale * amp if amp is not None else window.loss_scale
-        if all_reduce is not None:  # summed over ranks already
-            loss_sum, loss_weight = totals.loss_sum, totals.loss_weight
-
-            def window_loss() -> Scalar:
-                return _mean_loss(loss_sum, loss_weight, loss_scale)
-
-        else:  # computed only if read before the next window closes
+        window_loss: Scalar | Callable[[], Scalar]
+        if loss is not None:
+            window_loss = _mean_loss(*loss, loss_scale)
+        else:  # computed only if it is read before the next window closes
 
             def window_loss() -> Scalar:
                 return _mean_loss(*window.tally.loss_totals(), loss_scale)
@@ -784,8 +791,8 @@ class GradAccumulator:
     @property
     def stats(self) -> AccumulationStats:
         """A frozen snapshot of the statistics (syncs once if a window closed since the last read)."""
-        ledger = self._ledger.values()
-        ledger.pop("window_loss")
+        ledger = self._ledger.values(deferred=False)
+        ledger.pop("window_loss")  # not a field of the snapshot: see `window_loss`
         return AccumulationStats(
             accumulation_steps=self._accumulation_steps,
             open_window_micro_batches=self._window.micro_batches,

@@ -179,15 +179,24 @@ class Ledger:
         self._pending.clear()
         return extra_values
 
-    def values(self) -> dict[str, float]:
-        """Every statistic by name (syncs once if device rows are pending or a deferred value is a tensor)."""
+    def values(self, *, deferred: bool = True) -> dict[str, float]:
+        """Every statistic by name (syncs once if device rows are pending or a deferred value is a tensor).
+
+        ``deferred=False`` leaves deferred values uncomputed (their entries are then stale).
+        """
         if self._pending:
             self.sync()
+        if not deferred:
+            return dict(self._host)
         for name, compute in self._deferred.items():
             value = compute()
             self._host[name] = float(value.item()) if isinstance(value, Tensor) else float(value)
         self._deferred.clear()
         return dict(self._host)
+
+    def __getstate__(self) -> dict[str, object]:  # pickles (ddp_spawn): deferred values are computed first
+        self.values()
+        return self.__dict__.copy()
 
     def state_dict(self) -> dict[str, float]:
         """The statistics as plain numbers."""
