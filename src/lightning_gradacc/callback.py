@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from .core import GradAccumulator
 from .core.accumulator import ItemCount
+from .core.checkpoint import FORMAT_VERSION, READABLE_VERSIONS
 from .core.validation import AccumulationSettings
 from .namespaces import CALLBACK_IMPORTS, PYTORCH_LIGHTNING, LightningNamespace, namespace, namespace_of
 from .schedule import AccumulationPlan
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 else:
     _LogicBase = object
 
-_STATE_VERSION = 2  # 2: adds the open window; 1 (counters only) still loads
 # Statistics logged under "grad_accum/" with their own names (all but the open window's micro-batches).
 LOGGED_STATISTICS = tuple(
     name
@@ -774,7 +774,7 @@ class GradientAccumulationLogic(_LogicBase):
         accumulator = self._accumulator
         window = accumulator.window_state_dict() if accumulator is not None else None
         return {
-            "version": _STATE_VERSION,
+            "version": FORMAT_VERSION,
             "accumulator": accumulator.state_dict() if accumulator is not None else None,
             "window": window,
         }
@@ -783,10 +783,10 @@ class GradientAccumulationLogic(_LogicBase):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._stage not in (None, "fit"):  # validate/test/predict(ckpt_path=...) never train: keep nothing
             return
-        if state_dict.get("version") not in (1, _STATE_VERSION):
+        if state_dict.get("version") not in READABLE_VERSIONS:  # 1 had no open window
             raise ValueError(
                 f"Cannot load `GradientAccumulationCallback` state of version {state_dict.get('version')!r};"
-                f" this version reads 1 and {_STATE_VERSION}."
+                f" this version reads {', '.join(map(str, READABLE_VERSIONS))}."
             )
         self._loaded_state = state_dict.get("accumulator")
         self._loaded_window = state_dict.get("window")

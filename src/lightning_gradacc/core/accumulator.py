@@ -27,6 +27,7 @@ from torch.nn.parameter import is_lazy
 
 from .boundary import Flag, Norms, apply_, both, decide, either, measure, negate
 from .buffers import GradBuffers
+from .checkpoint import FORMAT_VERSION, READABLE_VERSIONS, check_window_state
 from .errors import GradientOverflowError
 from .kernels import GroupKey, non_finite_names, total_norm
 from .ledger import COUNTERS, Ledger
@@ -36,10 +37,8 @@ from .store import WindowGradients
 from .tally import InvalidCount, WindowTotals
 from .validation import AccumulationSettings, check_item_count, check_positive_int
 from .window import Window
-from .window_state import WINDOW_STATE_VERSION, check_window_state
 from .world import AllReduce, World
 
-_STATE_VERSION = 2  # 2: statistics named for what they count; 1 (0.1 names) still loads
 Scalar = float | Tensor
 
 
@@ -815,7 +814,7 @@ class GradAccumulator:
     def state_dict(self) -> dict[str, Any]:
         """Counters as plain numbers (loadable with ``torch.load(weights_only=True)``)."""
         return {
-            "version": _STATE_VERSION,
+            "version": FORMAT_VERSION,
             "accumulation_steps": self._accumulation_steps,
             "windows": self._windows,
             "total_micro_batches": self._total_micro_batches,
@@ -827,11 +826,12 @@ class GradAccumulator:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore counters saved by :meth:`state_dict` (or by 0.1); nothing changes if they do not fit."""
         version = state.get("version")
-        if version not in (1, _STATE_VERSION):
+        if version not in READABLE_VERSIONS:
             raise ValueError(
-                f"Cannot load accumulator state of version {version!r}; expected 1 or {_STATE_VERSION}."
+                f"Cannot load accumulator state of version {version!r}; this version reads"
+                f" {', '.join(map(str, READABLE_VERSIONS))}."
             )
-        windows = "optimizer_steps" if version == 1 else "windows"
+        windows = "windows" if "windows" in state else "optimizer_steps"  # the name before format 3
         missing = [key for key in (windows, "total_micro_batches", "skipped_steps") if key not in state]
         if missing:
             raise ValueError(f"Accumulator state is missing {missing}.")
@@ -875,7 +875,7 @@ class GradAccumulator:
         items, weights, loss_sum, loss_weight, bad_items, micro_clips = summed(counters).tolist()
         reference = self._reference_count
         return {
-            "version": WINDOW_STATE_VERSION,
+            "version": FORMAT_VERSION,
             "kind": "buffers" if in_buffers else "grads",
             "world_size": world_size,
             "micro_batches": window.micro_batches,

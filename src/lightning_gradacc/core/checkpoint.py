@@ -1,6 +1,11 @@
-"""Checks for the saved state of an open accumulation window (exact resume in the middle of a window).
+"""The checkpoint formats: one version number for everything this package saves, and the window check.
 
-The state holds the window's summed gradients (``.grad`` or the buffers) and its counters. Loading is
+``FORMAT_VERSION`` stamps the accumulator's counters, the open window and the callback's state alike.
+History: 1 (0.1: counters under their first names; the window's weights as raw item counts), 2 (the
+window's weights relative to a reference count, frozen parameters left out), 3 (statistics named for what
+they count; the window carries its loss scale and AMP scale). Every reader accepts the older numbers.
+
+The saved window holds its summed gradients (``.grad`` or the buffers) and its counters. Loading it is
 all-or-nothing: every check runs before anything is modified, and the first mismatch is named.
 """
 
@@ -11,8 +16,8 @@ from typing import Any
 
 import torch
 
-WINDOW_STATE_VERSION = 2  # 2: weights relative to a reference count, frozen parameters left out
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 def check_window_state(
@@ -32,7 +37,7 @@ def check_window_state(
 
     Example:
         >>> check_window_state(
-        ...     {"version": 2, "kind": "grads", "world_size": 1, "micro_batches": 2,
+        ...     {"version": 3, "kind": "grads", "world_size": 1, "micro_batches": 2,
         ...      "tensors": {"w": torch.zeros(3)}},
         ...     {"w": (torch.Size([3]), torch.float32)}, "grads", 1)
     """
