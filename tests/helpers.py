@@ -272,6 +272,7 @@ def big_batch_reference(
     fp16_autocast: bool = False,
     norm_type: float = 2.0,
     clip_value: float | None = None,
+    clip_scope: str = "global",
 ) -> nn.Module:
     """Train a copy of ``net`` with one optimizer step per window on the window's samples as ONE batch.
 
@@ -299,7 +300,9 @@ def big_batch_reference(
         loss.backward()
         if max_grad_norm is not None:
             trainable = [p for p in reference.parameters() if p.requires_grad]
-            torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm, norm_type=norm_type)
+            # "parameter": torch's clipping applied to each parameter on its own
+            for group in [[p] for p in trainable] if clip_scope == "parameter" else [trainable]:
+                torch.nn.utils.clip_grad_norm_(group, max_grad_norm, norm_type=norm_type)
         if clip_value is not None:
             torch.nn.utils.clip_grad_value_(
                 [p for p in reference.parameters() if p.requires_grad], clip_value

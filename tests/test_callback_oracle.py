@@ -157,3 +157,15 @@ def test_clip_value_and_inf_norm_through_the_callback(options: dict, reference_o
     module, _ = fit_regression(callback)
     assert h.max_abs_diff(module.net, reference(h.windows(10, 4), **reference_options)) < 1e-6
     assert callback.stats.clipped_steps == 3
+
+
+@pytest.mark.parametrize("scaling", ["mean", "weighted"])
+def test_per_parameter_clipping_through_the_callback(scaling: str) -> None:
+    callback = GradientAccumulationCallback(4, max_grad_norm=0.2, clip_scope="parameter", scaling=scaling)
+    module, _ = fit_regression(callback)
+    per_parameter = reference(h.windows(10, 4), max_grad_norm=0.2, clip_scope="parameter")
+    assert h.max_abs_diff(module.net, per_parameter) < 1e-6
+    # not the global clipping under another name: the two references differ
+    assert h.max_abs_diff(per_parameter, reference(h.windows(10, 4), max_grad_norm=0.2)) > 1e-3
+    assert callback.stats.clipped_steps == 3
+    assert callback.stats.last_grad_norm > 0.2  # the global norm, before clipping, is reported
