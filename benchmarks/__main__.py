@@ -118,6 +118,7 @@ def operators(device: str) -> list[str]:
         ("default (mean, overflow skip)", {}),
         ('`overflow="ignore"`', {"overflow": "ignore"}),
         ("`max_grad_norm=1.0`", {"max_grad_norm": 1.0}),
+        ('`max_grad_norm=1.0, clip_scope="parameter"`', {"max_grad_norm": 1.0, "clip_scope": "parameter"}),
         ('`scaling="weighted"`, tensor counts', {"scaling": "weighted"}),
         ('`accumulation_dtype="float64"`', {"accumulation_dtype": "float64"}),
     ):

@@ -835,11 +835,16 @@ class GradAccumulator:
         missing = [key for key in (windows, "total_micro_batches", "skipped_steps") if key not in state]
         if missing:
             raise ValueError(f"Accumulator state is missing {missing}.")
-        self._windows = int(state[windows])
-        self._total_micro_batches = int(state["total_micro_batches"])
-        self._micro_batches_last_step = int(state.get("micro_batches_last_step", 0))
-        self._peak_memory_bytes = int(state.get("peak_memory_bytes", 0))
-        self._ledger.load_state_dict(state)
+        counters = (  # every value converted before anything is assigned
+            int(state[windows]),
+            int(state["total_micro_batches"]),
+            int(state.get("micro_batches_last_step", 0)),
+            int(state.get("peak_memory_bytes", 0)),
+        )
+        self._ledger.load_state_dict(state)  # all or nothing itself
+        self._windows, self._total_micro_batches, self._micro_batches_last_step, self._peak_memory_bytes = (
+            counters
+        )
 
     # ---------------------------------------------------------------------------------- open window
 

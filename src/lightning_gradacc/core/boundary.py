@@ -162,7 +162,8 @@ def decide(
                 "`clip_scope='parameter'` needs the per-tensor norms: `measure(..., per_tensor=True)`."
             )
         if per_tensor:
-            own = torch.stack([n.to(per_tensor[0].dtype) for n in per_tensor]) * factor
+            wide = torch.float64 if any(n.dtype == torch.float64 for n in per_tensor) else per_tensor[0].dtype
+            own = torch.stack([n if n.dtype == wide else n.to(wide) for n in per_tensor]) * factor
             coefficients = torch.clamp(max_norm / (own + EPS), max=1.0)
             clipped = (coefficients < 1.0).any()
             multiplier = list((coefficients * factor).unbind())

@@ -148,6 +148,13 @@ def scale_(
     """
     if isinstance(factor, (int, float)) and factor == 1.0:
         return
+    if not isinstance(factor, (int, float, Tensor)) and not isinstance(tensors, Mapping):
+        # one factor per tensor of a flat list: group the factors with their tensors
+        paired: dict[GroupKey, list[tuple[Tensor, Tensor]]] = defaultdict(list)
+        for tensor, one in zip(tensors, factor, strict=True):
+            paired[(tensor.device, tensor.dtype)].append((tensor, one))
+        tensors = {key: [t for t, _ in pairs] for key, pairs in paired.items()}
+        factor = [one for pairs in paired.values() for _, one in pairs]
     offset = 0
     for (group_device, group_dtype), group in _grouped(tensors).items():
         if not group:
