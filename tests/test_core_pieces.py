@@ -1125,9 +1125,9 @@ def test_accumulator_loads_version_1_state(with_empty: bool) -> None:
         del state["empty_windows"]
     model, accumulator = _linear_accumulator()
     accumulator.load_state_dict(state)
+    assert accumulator.state_dict()["peak_memory_bytes"] == 12345  # restored (re-measured when read)
     stats = accumulator.stats
     assert stats.windows == 12 and stats.total_micro_batches == 45 and stats.micro_batches_last_step == 3
-    assert stats.peak_memory_bytes == 12345
     assert stats.non_finite_windows == 2 and stats.skipped_steps == 2 and stats.clipped_steps == 5
     assert stats.empty_windows == (1 if with_empty else 0) and stats.dropped_micro_batches == 0
     assert stats.last_grad_norm == 0.75 and stats.max_grad_norm_seen == 3.5 and stats.items_last_step == 24.0
@@ -1176,7 +1176,7 @@ def test_accumulator_loads_version_2_state() -> None:
     assert (stats.skipped_steps, stats.non_finite_windows, stats.dropped_micro_batches) == (1, 2, 3)
     assert (stats.empty_windows, stats.clipped_steps, stats.steps_taken) == (1, 4, 5)
     assert (stats.last_grad_norm, stats.max_grad_norm_seen, stats.items_last_step) == (0.5, 1.5, 8.0)
-    assert accumulator.window_loss == 0.25 and stats.peak_memory_bytes == 99
+    assert accumulator.window_loss == 0.25
     with pytest.warns(FutureWarning):
         assert stats.overflow_count == 5
 

@@ -25,11 +25,11 @@ import torch
 from torch import Tensor
 from torch.nn.parameter import is_lazy
 
-from .boundary import Flag, Norms, apply_, both, decide, either, measure, negate
+from .boundary import Decision, Flag, Norms, apply_, both, decide, either, measure, negate
 from .buffers import GradBuffers
 from .checkpoint import FORMAT_VERSION, READABLE_VERSIONS, check_window_state
 from .errors import GradientOverflowError
-from .kernels import GroupKey, non_finite_names, total_norm
+from .kernels import GroupKey, non_finite_names, tensor_norms, total_norm
 from .ledger import COUNTERS, Ledger
 from .memory import WindowPeakMemory
 from .stats import AccumulationStats
@@ -67,6 +67,17 @@ class ItemCount:
         if isinstance(weight, Tensor):
             weight = weight.to(loss.device, non_blocking=True)
         return loss.mul_(weight) if in_place else loss * weight
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What the boundary measured: host numbers after the step's sync, or device scalars."""
+
+    totals: WindowTotals
+    norms: Norms
+    dropped: Scalar
+    micro_clips: Scalar
+    loss: tuple[Scalar, Scalar] | None  # (loss sum, loss weight) when computed now
 
 
 def _mean_loss(loss_sum: Scalar, loss_weight: Scalar, loss_scale: Scalar) -> Scalar:
@@ -199,7 +210,8 @@ class GradAccumulator:
         self._layouts()
         self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self._ledger = Ledger(self._ledger_dtype)
-        self._memory = WindowPeakMemory(self.device)
+        self._memory = WindowPeakMemory(self.device)  # reset when the statistics are read, not per window
+        self._memory.start()
         # The reference count of scaling="weighted": losses are weighted by items / reference, so that their
         # gradients keep the magnitude of a mean's (raw counts overflow fp16). The first micro-batch's count
         # (its mean over ranks) for the first window, then the mean count per micro-batch of the window
@@ -258,7 +270,6 @@ class GradAccumulator:
     # ----------------------------------------------------------------------------------------- window
 
     def _new_window(self) -> Window:
-        self._memory.start()
         if self._buffers is not None:
             self._buffers.discard()
         return Window(
@@ -581,66 +592,120 @@ class GradAccumulator:
             GradientOverflowError: ``overflow="raise"`` and the gradient is not finite.
             ValueError: an item count of the window, on this rank or another, was invalid.
         """
-        window, settings = self._window, self.settings
+        window = self._window
         if window.empty:
             return self._close_empty(reevaluation)
-        from_buffers = window.sums_in_buffers
-        assert self._buffers is not None or not from_buffers
-        sources = self._buffers.window() if from_buffers else [param.grad for _, param in self._named]  # type: ignore[union-attr]
-        if not from_buffers:  # buffers are dense by construction
+        try:
+            sources, grads = self._window_sums(window)
+            world_size, all_reduce = self._world.resolve()
+            measured = self._measure(window, grads, all_reduce, read_statistics)
+            decision = decide(
+                measured.norms,
+                self._normalization(measured.totals.weights, measured.dropped, world_size),
+                max_norm=self.settings.max_grad_norm,
+                clip_scope=self.settings.clip_scope,  # type: ignore[arg-type]
+                clip_value=self.settings.clip_value,
+            )
+            live, has_items = self._account(window, measured, decision, reevaluation)
+            self._rebase_reference(measured.totals.items, world_size)
+            step = self._windows - (0 if reevaluation else 1)
+            if not self._keeps_step(window, step, live, has_items, measured.totals.bad_items, sources):
+                for _, param in self._named:
+                    param.grad = None
+                return False
+            apply_(grads, decision, clip_value=self.settings.clip_value, foreach=self.foreach)
+            if window.sums_in_buffers:
+                assert self._buffers is not None
+                self._buffers.write_to_grads()  # one rounding to the parameters' dtype, at the end
+            return True
+        finally:
+            window.close()
+            self._window = self._new_window()
+
+    def _window_sums(self, window: Window) -> tuple[list[Tensor | None], dict[GroupKey, list[Tensor]]]:
+        """The window's sums per tracked parameter (``None``: no gradient), and grouped by (device, dtype)."""
+        if window.sums_in_buffers:
+            assert self._buffers is not None
+            sources, layout = self._buffers.window(), self._buffer_groups  # dense by construction
+        else:
+            sources, layout = [param.grad for _, param in self._named], self._grad_groups
             for (name, _), tensor in zip(self._named, sources, strict=True):
                 if tensor is not None and tensor.is_sparse:
                     raise TypeError(f"Sparse gradients are not supported (parameter `{name}`).")
-        layout = self._buffer_groups if from_buffers else self._grad_groups
-        grads = {
-            key: [t for i in indices if (t := sources[i]) is not None] for key, indices in layout.items()
-        }
-        world_size, all_reduce = self._world.resolve()
+        grads = {key: [t for i in ids if (t := sources[i]) is not None] for key, ids in layout.items()}
+        return sources, grads
+
+    def _measure(
+        self,
+        window: Window,
+        grads: dict[GroupKey, list[Tensor]],
+        all_reduce: AllReduce | None,
+        read_statistics: bool,
+    ) -> _Measured:
+        """Norms and totals of the window, as host numbers or device scalars.
+
+        On the host after the step's one sync when a decision needs it (everything else the step needs
+        comes along in it); device scalars otherwise.
+        """
+        settings = self.settings
         totals = self._window_totals(all_reduce)
-        norms = measure(
-            grads,
-            settings.norm_type,
-            device=self.device,
-            foreach=self.foreach,
-            per_tensor=settings.clip_scope == "parameter" and settings.max_grad_norm is not None,
-            largest_element=settings.clip_value is not None,
-        )
         dropped: Scalar = window.dropped if window.dropped is not None else 0.0
         micro_clips: Scalar = window.micro_clips if window.micro_clips is not None else 0.0
-        total: Scalar = norms.total
-        largest: Scalar | None = norms.largest_element
-        amp = self._amp_scale()
-        loss_scale = window.loss_scale * amp if amp is not None else window.loss_scale
         loss: tuple[Scalar, Scalar] | None = None
         if all_reduce is not None:  # summed over ranks already
             loss = (totals.loss_sum, totals.loss_weight)
         elif read_statistics:
             loss = window.tally.loss_totals()
-        if self._decides_on_host:  # the one host sync of this step; the statistics come along
-            values = [*totals.values(), total, largest, dropped, micro_clips, *(loss or ())]
-            on_device = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
-            copied = self._ledger.sync(*(values[i] for i in on_device))
-            for i, value in zip(on_device, copied, strict=True):
-                values[i] = value
-            totals = WindowTotals(*values[:5])
-            total, largest, dropped, micro_clips = values[5:9]
-            if loss is not None:
-                loss = (values[9], values[10])
-        factor = self._normalization(totals.weights, dropped, world_size)
-        decision = decide(
-            Norms(total, norms.per_tensor),
-            factor,
-            max_norm=settings.max_grad_norm,
-            clip_scope=settings.clip_scope,  # type: ignore[arg-type]
-            clip_value=settings.clip_value,
-            largest_element=largest,
+        if not self._decides_on_host:
+            norms = measure(
+                grads,
+                settings.norm_type,
+                device=self.device,
+                foreach=self.foreach,
+                per_tensor=settings.clip_scope == "parameter" and settings.max_grad_norm is not None,
+                largest_element=settings.clip_value is not None,
+            )
+            return _Measured(totals, norms, dropped, micro_clips, loss)
+        # Each tensor's norm goes to the host, where they are combined: no kernel for the total.
+        tensor_wise = tensor_norms(grads, settings.norm_type, device=self.device, foreach=self.foreach)
+        largest_wise: list[Tensor] = []
+        if settings.clip_value is not None:
+            largest_wise = (
+                tensor_wise
+                if settings.norm_type == math.inf
+                else tensor_norms(grads, math.inf, device=self.device, foreach=self.foreach)
+            )
+        values = [*totals.values(), dropped, micro_clips, *(loss or ()), *tensor_wise, *largest_wise]
+        on_device = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
+        for i, value in zip(on_device, self._ledger.sync(*(values[i] for i in on_device)), strict=True):
+            values[i] = value
+        offset = 9 if loss is not None else 7
+        host_norms = values[offset : offset + len(tensor_wise)]
+        host_largest = values[offset + len(tensor_wise) :] if settings.clip_value is not None else None
+        return _Measured(
+            WindowTotals(*values[:5]),
+            Norms.on_host(host_norms, settings.norm_type, host_largest),
+            values[5],
+            values[6],
+            (values[7], values[8]) if loss is not None else None,
         )
-        has_items: Flag = totals.weights > 0 if settings.scaling == "weighted" else True
-        live = both(decision.finite, dropped < window.micro_batches)
-        skips = self._scaler is not None or settings.overflow in ("skip", "skip_micro_batch")
+
+    def _account(
+        self, window: Window, measured: _Measured, decision: Decision, reevaluation: bool
+    ) -> tuple[Flag, Flag]:
+        """Fold the window into the statistics.
+
+        Returns:
+            Whether the window is live (finite, not every micro-batch dropped) and whether it has items.
+        """
+        has_items: Flag = measured.totals.weights > 0 if self.settings.scaling == "weighted" else True
+        live = both(decision.finite, measured.dropped < window.micro_batches)
+        skips = self._scaler is not None or self.settings.overflow in ("skip", "skip_micro_batch")
+        amp = self._amp_scale()
+        loss_scale = window.loss_scale * amp if amp is not None else window.loss_scale
         window_loss: Scalar | Callable[[], Scalar]
-        if loss is not None:
-            window_loss = _mean_loss(*loss, loss_scale)
+        if measured.loss is not None:
+            window_loss = _mean_loss(*measured.loss, loss_scale)
         else:  # computed only if it is read before the next window closes
 
             def window_loss() -> Scalar:
@@ -649,46 +714,43 @@ class GradAccumulator:
         self._ledger.fold(
             {
                 "non_finite_windows": negate(decision.finite),
-                "dropped_micro_batches": dropped,
+                "dropped_micro_batches": measured.dropped,
                 "skipped_steps": both(negate(live), has_items) if skips else False,
                 "empty_windows": negate(has_items),
-                "clipped_steps": either(decision.clipped, micro_clips > 0),
+                "clipped_steps": either(decision.clipped, measured.micro_clips > 0),
                 "last_grad_norm": decision.norm,
-                "items_last_step": totals.items,
+                "items_last_step": measured.totals.items,
                 "window_loss": window_loss,
             },
             count=not reevaluation,
         )
-        self._rebase_reference(totals.items, world_size)
         self._micro_batches_last_step = window.micro_batches
-        step = self._windows
         if not reevaluation:
             self._windows += 1
-        self._peak_memory_bytes = self._memory.read()
-        try:
-            decides = self._scaler is None and settings.overflow != "ignore"
-            flags = (live if decides else True, has_items, totals.bad_items)
-            if any(isinstance(flag, Tensor) for flag in flags):  # counts summed over ranks, overflow ignored
-                keeps_step, has_any, bad = self._ledger.sync(*(self._scalar(flag) for flag in flags))
-            else:
-                keeps_step, has_any, bad = (float(flag) for flag in flags)
-            if bad:
-                raise ValueError(self._invalid_count_message(window, int(bad)))
-            if not (keeps_step and has_any):
-                if has_any and settings.overflow == "raise" and self._scaler is None:
-                    named = [(n, t) for (n, _), t in zip(self._named, sources, strict=True) if t is not None]
-                    raise GradientOverflowError(step, non_finite_names(named))
-                for _, param in self._named:
-                    param.grad = None
-                return False
-            apply_(grads, decision, clip_value=settings.clip_value, foreach=self.foreach)
-            if from_buffers:
-                assert self._buffers is not None
-                self._buffers.write_to_grads()  # one rounding to the parameters' dtype, at the end
-            return True
-        finally:
-            window.close()
-            self._window = self._new_window()
+        return live, has_items
+
+    def _keeps_step(
+        self,
+        window: Window,
+        step: int,
+        live: Flag,
+        has_items: Flag,
+        bad_items: Scalar,
+        sources: list[Tensor | None],
+    ) -> bool:
+        """Whether the optimizer steps; raises for invalid counts or ``overflow="raise"``."""
+        decides = self._scaler is None and self.settings.overflow != "ignore"
+        flags = (live if decides else True, has_items, bad_items)
+        if any(isinstance(flag, Tensor) for flag in flags):  # counts summed over ranks, overflow ignored
+            keeps_step, has_any, bad = self._ledger.sync(*(self._scalar(flag) for flag in flags))
+        else:
+            keeps_step, has_any, bad = (float(flag) for flag in flags)
+        if bad:
+            raise ValueError(self._invalid_count_message(window, int(bad)))
+        if has_any and not keeps_step and self.settings.overflow == "raise" and self._scaler is None:
+            named = [(n, t) for (n, _), t in zip(self._named, sources, strict=True) if t is not None]
+            raise GradientOverflowError(step, non_finite_names(named))
+        return bool(keeps_step and has_any)
 
     def _window_totals(self, all_reduce: AllReduce | None) -> WindowTotals:
         """The window's totals, summed over ranks (one small all-reduce); alone, without the loss totals."""
@@ -744,7 +806,6 @@ class GradAccumulator:
         self._micro_batches_last_step = 0
         if not reevaluation:
             self._windows += 1
-        self._peak_memory_bytes = self._memory.read()
         self._window.close()
         self._window = self._new_window()
         return False
@@ -792,6 +853,8 @@ class GradAccumulator:
         """A frozen snapshot of the statistics (syncs once if a window closed since the last read)."""
         ledger = self._ledger.values(deferred=False)
         ledger.pop("window_loss")  # not a field of the snapshot: see `window_loss`
+        self._peak_memory_bytes = self._memory.read()  # the peak since the last read (a syscall on CPU)
+        self._memory.start()
         return AccumulationStats(
             accumulation_steps=self._accumulation_steps,
             open_window_micro_batches=self._window.micro_batches,

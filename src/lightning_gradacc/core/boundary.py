@@ -30,8 +30,44 @@ class Norms:
     """Norms of the window's summed gradients (before the normalization factor)."""
 
     total: Scalar  # a device scalar, or its value once copied to the host
-    per_tensor: list[Tensor] | None = None  # in group order; kept for clip_scope="parameter"
+    per_tensor: list[Tensor] | list[float] | None = None  # in group order; for clip_scope="parameter"
     largest_element: Scalar | None = None  # the inf-norm, for clip_value statistics
+
+    @classmethod
+    def on_host(cls, per_tensor: list[float], norm_type: float, largest: list[float] | None = None) -> Norms:
+        """Norms combined on the host from each tensor's norm (copied in a sync the caller makes anyway).
+
+        Example:
+            >>> Norms.on_host([3.0, 4.0], 2.0).total
+            5.0
+        """
+        return cls(
+            combine_on_host(per_tensor, norm_type),
+            per_tensor,
+            combine_on_host(largest, math.inf) if largest is not None else None,
+        )
+
+
+def combine_on_host(norms: list[float], norm_type: float) -> float:
+    """The norm of all tensors together from their own norms, in float64 on the host.
+
+    ``nan`` if any norm is ``nan``, else ``inf`` if any is ``inf``, as ``torch.linalg.vector_norm``.
+
+    Example:
+        >>> combine_on_host([3.0, 4.0], 2.0), combine_on_host([3.0, 4.0], math.inf)
+        (5.0, 4.0)
+    """
+    if not norms:
+        return 0.0
+    if any(math.isnan(n) for n in norms):
+        return math.nan
+    if norm_type == math.inf or any(math.isinf(n) for n in norms):
+        return max(norms)
+    if norm_type == 2.0:
+        return math.sqrt(math.fsum(n * n for n in norms))
+    if norm_type == 1.0:
+        return math.fsum(norms)
+    return float(math.fsum(n**norm_type for n in norms) ** (1.0 / norm_type))
 
 
 @dataclass(frozen=True)
@@ -49,7 +85,7 @@ class Decision:
     norm: Scalar
     finite: Flag
     clipped: Flag
-    multiplier: Scalar | list[Tensor]
+    multiplier: Scalar | list[Tensor] | list[float]
 
 
 def measure(
@@ -153,7 +189,7 @@ def decide(
         factor = factor.to(total.dtype)
     norm = total * factor
     finite = _isfinite(norm)
-    multiplier: Scalar | list[Tensor] = factor
+    multiplier: Scalar | list[Tensor] | list[float] = factor
     clipped: Flag = False
     if max_norm is not None and clip_scope == "parameter":
         per_tensor = norms.per_tensor if isinstance(norms, Norms) else None
@@ -161,7 +197,14 @@ def decide(
             raise ValueError(
                 "`clip_scope='parameter'` needs the per-tensor norms: `measure(..., per_tensor=True)`."
             )
-        if per_tensor:
+        if per_tensor and not isinstance(factor, Tensor) and not isinstance(per_tensor[0], Tensor):
+            on_host = [float(_clip_coefficient(float(n) * factor, max_norm)) for n in per_tensor]
+            clipped = any(c < 1.0 for c in on_host)
+            multiplier = [c * factor for c in on_host]
+        elif per_tensor:
+            per_tensor = [
+                n if isinstance(n, Tensor) else torch.tensor(n, dtype=torch.float64) for n in per_tensor
+            ]
             wide = torch.float64 if any(n.dtype == torch.float64 for n in per_tensor) else per_tensor[0].dtype
             own = torch.stack([n if n.dtype == wide else n.to(wide) for n in per_tensor]) * factor
             coefficients = torch.clamp(max_norm / (own + EPS), max=1.0)
@@ -190,7 +233,6 @@ def decide(
     return Decision(norm, finite, both(clipped, finite), multiplier)
 
 
-@torch.no_grad()
 def apply_(
     grads: Tensors, decision: Decision, *, clip_value: float | None = None, foreach: bool | None = None
 ) -> None:
@@ -202,7 +244,10 @@ def apply_(
         >>> grads[0]
         tensor([0.6000, 0.8000])
     """
-    scale_(grads, decision.multiplier, foreach=foreach)
+    multiplier = decision.multiplier
+    if clip_value is None and isinstance(multiplier, (int, float)) and multiplier == 1.0:
+        return  # nothing to do (K=1, mean, not clipped): not even entering no_grad
+    scale_(grads, multiplier, foreach=foreach)
     if clip_value is not None:
         clamp_(grads, clip_value, foreach=foreach)
 

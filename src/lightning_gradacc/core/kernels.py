@@ -11,6 +11,7 @@ in-place pass runs under ``torch.no_grad()``. Gradients are dense (the accumulat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -134,11 +135,13 @@ def total_norm(
     return combine_norms(norms, norm_type, device=device)
 
 
-@torch.no_grad()
 def scale_(
-    tensors: Tensors, factor: float | Tensor | Sequence[Tensor], *, foreach: bool | None = None
+    tensors: Tensors,
+    factor: float | Tensor | Sequence[Tensor] | Sequence[float],
+    *,
+    foreach: bool | None = None,
 ) -> None:
-    """Multiply every tensor in place by ``factor``: a number, a scalar tensor, or one scalar per tensor.
+    """Multiply every tensor in place by ``factor``: a number, a scalar tensor, or one per tensor.
 
     Example:
         >>> grads = [torch.ones(2)]
@@ -150,26 +153,45 @@ def scale_(
         return
     if not isinstance(factor, (int, float, Tensor)) and not isinstance(tensors, Mapping):
         # one factor per tensor of a flat list: group the factors with their tensors
-        paired: dict[GroupKey, list[tuple[Tensor, Tensor]]] = defaultdict(list)
+        paired: dict[GroupKey, list[tuple[Tensor, Tensor | float]]] = defaultdict(list)
         for tensor, one in zip(tensors, factor, strict=True):
-            paired[(tensor.device, tensor.dtype)].append((tensor, one))
+            paired[(tensor.device, tensor.dtype)].append((tensor, one))  # type: ignore[arg-type]
         tensors = {key: [t for t, _ in pairs] for key, pairs in paired.items()}
-        factor = [one for pairs in paired.values() for _, one in pairs]
+        factor = [one for pairs in paired.values() for _, one in pairs]  # type: ignore[assignment]
+    with _no_grad():
+        _scale(tensors, factor, foreach)
+
+
+def _no_grad() -> contextlib.AbstractContextManager[None]:
+    """``torch.no_grad()`` where grad mode is on (in-place work on leaves), else nothing to enter."""
+    return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+
+
+def _scale(
+    tensors: Tensors, factor: float | Tensor | Sequence[Tensor] | Sequence[float], foreach: bool | None
+) -> None:
     offset = 0
     for (group_device, group_dtype), group in _grouped(tensors).items():
         if not group:
             continue
         wide = at_least_float32(group_dtype)  # the group's precision: no promotion per tensor
-        local: list[Tensor] | float | Tensor
+        local: list[Tensor] | list[float] | float | Tensor
         if isinstance(factor, (int, float)):
             local = factor
         elif isinstance(factor, Tensor):
             local = factor.to(group_device, wide, non_blocking=True)
         else:
-            local = [
-                f.to(group_device, wide, non_blocking=True) for f in factor[offset : offset + len(group)]
-            ]
+            mine = factor[offset : offset + len(group)]
             offset += len(group)
+            if all(isinstance(f, (int, float)) for f in mine):  # host numbers: the scalar-list kernel
+                local = [float(f) for f in mine]
+            else:
+                local = [
+                    f.to(group_device, wide, non_blocking=True)
+                    if isinstance(f, Tensor)
+                    else torch.tensor(f, dtype=wide, device=group_device)
+                    for f in mine
+                ]
         if use_foreach(foreach, group_device, group):
             torch._foreach_mul_(group, local)
         else:
@@ -177,7 +199,6 @@ def scale_(
                 tensor.mul_(local[index] if isinstance(local, list) else local)
 
 
-@torch.no_grad()
 def clamp_(tensors: Tensors, bound: float, *, foreach: bool | None = None) -> None:
     """Clamp every element of every tensor to ``[-bound, bound]`` in place.
 
@@ -187,15 +208,16 @@ def clamp_(tensors: Tensors, bound: float, *, foreach: bool | None = None) -> No
         >>> grads[0]
         tensor([-1.0000,  0.5000,  1.0000])
     """
-    for (group_device, _), group in _grouped(tensors).items():
-        if not group:
-            continue
-        if use_foreach(foreach, group_device, group):
-            torch._foreach_clamp_min_(group, -bound)
-            torch._foreach_clamp_max_(group, bound)
-        else:
-            for tensor in group:
-                tensor.clamp_(-bound, bound)
+    with _no_grad():
+        for (group_device, _), group in _grouped(tensors).items():
+            if not group:
+                continue
+            if use_foreach(foreach, group_device, group):
+                torch._foreach_clamp_min_(group, -bound)
+                torch._foreach_clamp_max_(group, bound)
+            else:
+                for tensor in group:
+                    tensor.clamp_(-bound, bound)
 
 
 def non_finite_names(named_tensors: Sequence[tuple[str, Tensor]], limit: int = 5) -> list[str]:

@@ -51,6 +51,7 @@ COUNTERS = tuple(statistic.name for statistic in STATISTICS if statistic.fold ==
 # old name in a 0.1 state -> name now
 RENAMED = {s.old_name: s.name for s in STATISTICS if s.old_name is not None} | {"optimizer_steps": "windows"}
 _FOLD = {statistic.name: statistic.fold for statistic in STATISTICS}
+_COUNTER_SET = frozenset(COUNTERS)
 
 
 def _fold(fold: Fold, old: float, new: float) -> float:
@@ -92,55 +93,39 @@ class Ledger:
                 value arrives (the window loss costs kernels no one may ever read).
             count: ``False`` for a window evaluated again (LBFGS): counters do not advance.
         """
-        values: dict[str, Scalar] = {}
+        host: dict[str, float] = {}
+        device: dict[str, Tensor] = {}
         for name, value in window.items():
-            self._deferred.pop(name, None)
-            if callable(value):
+            if name in self._deferred:
+                del self._deferred[name]
+            if not count and name in _COUNTER_SET:
+                continue
+            if isinstance(value, Tensor):
+                device[name] = value
+            elif callable(value):
                 assert _FOLD[name] == "last", name
                 self._deferred[name] = value
             else:
-                values[name] = value
-        if "last_grad_norm" in values:
-            values["max_grad_norm_seen"] = values["last_grad_norm"]
-        if not count:
-            for name in COUNTERS:
-                values.pop(name, None)
-        host = {name: float(v) for name, v in values.items() if not isinstance(v, Tensor)}
-        on_device = tuple(name for name, v in values.items() if isinstance(v, Tensor))
-        if not on_device and not self._pending:
+                host[name] = float(value)
+        if "last_grad_norm" in host:
+            host["max_grad_norm_seen"] = host["last_grad_norm"]
+        elif "last_grad_norm" in device:
+            device["max_grad_norm_seen"] = device["last_grad_norm"]
+        if not device and not self._pending:
             self._fold_host(host)
             return
-        if on_device:
-            row, order = self._stack([values[name] for name in on_device])  # type: ignore[misc]
-            on_device = tuple(on_device[i] for i in order)
-        else:
-            row = torch.empty(0)
-        self._pending.append((host, on_device, row))
+        row = self._stack(list(device.values())) if device else torch.empty(0)
+        self._pending.append((host, tuple(device), row))
         if len(self._pending) >= MAX_PENDING:
             self.sync()
 
-    def _stack(self, scalars: list[Tensor], *, cast: bool = True) -> tuple[Tensor, list[int]]:
-        """One vector of the ledger's dtype from scalars: a stack and a cast per dtype among them.
+    def _stack(self, scalars: list[Tensor], *, cast: bool = True) -> Tensor:
+        """One vector from device scalars (``torch.stack`` promotes their dtypes), in the ledger's dtype.
 
-        ``cast=False`` keeps a single dtype as it is (for a vector that is only copied to the host).
-
-        Returns:
-            The vector and, for each of its elements, the index of the scalar it holds.
+        ``cast=False`` keeps the promoted dtype (for a vector that is only copied to the host).
         """
-        scalars = [t if t.dim() == 0 else t.reshape(()) for t in scalars]
-        groups: dict[torch.dtype, list[int]] = {}
-        for index, scalar in enumerate(scalars):
-            groups.setdefault(scalar.dtype, []).append(index)
-        if not cast and len(groups) == 1:
-            return torch.stack(scalars), list(range(len(scalars)))
-        parts = [
-            torch.stack([scalars[i] for i in indices])
-            if dtype == self.dtype
-            else torch.stack([scalars[i] for i in indices]).to(self.dtype)
-            for dtype, indices in groups.items()
-        ]
-        order = [i for indices in groups.values() for i in indices]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), order
+        vector = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in scalars])
+        return vector.to(self.dtype) if cast and vector.dtype != self.dtype else vector
 
     def _fold_host(self, values: Mapping[str, float]) -> None:
         for name, value in values.items():
@@ -158,19 +143,13 @@ class Ledger:
             The values of ``extra``.
         """
         rows = [row for _, _, row in self._pending if row.numel()]
-        if len(extra) == 1 and not rows:  # one scalar, one copy
+        if not extra and not rows:
+            copied: list[float] = []
+        elif len(extra) == 1 and not rows:  # one scalar, one copy
             copied = [float(extra[0].item())]
         else:  # one vector, one copy (everything is on the accumulator's device)
-            order = list(range(len(extra)))
-            vectors = list(rows)
-            if extra:
-                vector, order = self._stack(list(extra), cast=bool(rows))
-                vectors.insert(0, vector)
+            vectors = ([self._stack(list(extra), cast=bool(rows))] if extra else []) + rows
             copied = (vectors[0] if len(vectors) == 1 else torch.cat(vectors)).tolist()
-            in_order = [0.0] * len(extra)
-            for position, index in enumerate(order):
-                in_order[index] = copied[position]
-            copied[: len(extra)] = in_order
         extra_values, offset = copied[: len(extra)], len(extra)
         for host, names, row in self._pending:
             device_values = copied[offset : offset + row.numel()]
