@@ -51,7 +51,9 @@ def test_every_scalar_has_one_point_per_optimizer_step(finished_run) -> None:
     norms = [e.value for e in events.Scalars("grad_accum/last_grad_norm")]
     clips = [e.value for e in events.Scalars("grad_accum/clipped_steps")]
     assert clips[-1] == sum(n > 0.5 for n in norms) == callback.stats.clipped_steps
-    assert events.Scalars("grad_accum/last_grad_norm")[-1].value == pytest.approx(callback.stats.last_grad_norm)
+    assert events.Scalars("grad_accum/last_grad_norm")[-1].value == pytest.approx(
+        callback.stats.last_grad_norm
+    )
 
 
 def _free_port() -> int:

@@ -62,8 +62,6 @@ def test_tensorboard_with_accumulated_gradients(mock_log_metrics, tmp_path):
     stats_steps = [c["step"] for c in calls if "grad_accum/windows" in c["metrics"]]
     assert stats_steps == model.indexes
     # the statistic logged at step s counts s + 1 optimizer steps
-    assert [
-        c["metrics"]["grad_accum/windows"]
-        for c in calls
-        if "grad_accum/windows" in c["metrics"]
-    ] == [s + 1 for s in model.indexes]
+    assert [c["metrics"]["grad_accum/windows"] for c in calls if "grad_accum/windows" in c["metrics"]] == [
+        s + 1 for s in model.indexes
+    ]
