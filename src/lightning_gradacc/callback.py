@@ -22,9 +22,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from .core import GradAccumulator
-from .core.accumulator import ItemCount
 from .core.checkpoint import FORMAT_VERSION, READABLE_VERSIONS
 from .core.validation import AccumulationSettings
+from .core.weighting import ItemCount
 from .namespaces import CALLBACK_IMPORTS, PYTORCH_LIGHTNING, LightningNamespace, namespace, namespace_of
 from .schedule import AccumulationPlan
 from .stats import AccumulationStats

@@ -1,18 +1,20 @@
 """Torch-only accumulation math: no Lightning import anywhere under this package.
 
 Usable from a plain PyTorch loop, Lightning Fabric or manual optimization. One idea per module:
-``window`` (a window's lifecycle), ``boundary`` (the stateless math at its end), ``ledger`` (statistics
-folded over windows), ``store`` (gradients by name), ``buffers``, ``tally``, ``kernels``, ``world``, and
-``accumulator``, which wires them together.
+``window`` (a window's lifecycle), ``weighting`` (item counts and the weighting rule), ``boundary`` (the
+stateless math at a window's end), ``ledger`` (statistics folded over windows), ``store`` (gradients by
+name), ``checkpoint`` (saved forms), ``buffers``, ``tally``, ``kernels``, ``world``, and ``accumulator``,
+which wires them together.
 """
 
-from .accumulator import GradAccumulator, ItemCount
+from .accumulator import GradAccumulator
 from .boundary import apply_, clip_grads_, decide, measure
 from .errors import GradientOverflowError
 from .kernels import clamp_, group_by_device_and_dtype, scale_, total_norm
 from .memory import WindowPeakMemory
 from .stats import AccumulationStats
 from .store import WindowGradients
+from .weighting import ItemCount, ItemWeighting
 from .window import Window, WindowClosedError, WindowState
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "GradAccumulator",
     "GradientOverflowError",
     "ItemCount",
+    "ItemWeighting",
     "Window",
     "WindowClosedError",
     "WindowGradients",

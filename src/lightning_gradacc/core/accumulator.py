@@ -27,46 +27,21 @@ from torch.nn.parameter import is_lazy
 
 from .boundary import Decision, Flag, Norms, apply_, both, decide, either, measure, negate
 from .buffers import GradBuffers
-from .checkpoint import FORMAT_VERSION, READABLE_VERSIONS, check_window_state
+from .checkpoint import FORMAT_VERSION, READABLE_VERSIONS, load_open_window, save_open_window
 from .errors import GradientOverflowError
-from .kernels import GroupKey, non_finite_names, tensor_norms, total_norm
+from .kernels import GroupKey, non_finite_names, tensor_norms
 from .ledger import COUNTERS, Ledger
 from .memory import WindowPeakMemory
+from .micro_batch import absorb_micro_batch
 from .stats import AccumulationStats
 from .store import WindowGradients
-from .tally import InvalidCount, WindowTotals
-from .validation import AccumulationSettings, check_item_count, check_positive_int
+from .tally import WindowTotals
+from .validation import AccumulationSettings, check_positive_int
+from .weighting import ItemCount, ItemWeighting
 from .window import Window
 from .world import AllReduce, World
 
 Scalar = float | Tensor
-
-
-@dataclass(frozen=True)
-class ItemCount:
-    """One micro-batch's item count, checked, and the factor its loss is multiplied by before ``backward``.
-
-    Made by :meth:`GradAccumulator.weigh`; an invalid count has weight 0 and is reported at the boundary.
-    """
-
-    items: float | Tensor | None
-    weight: float | Tensor
-    problem: str | None = None
-    check: InvalidCount | None = None
-
-    def weigh_loss(self, loss: Tensor, *, in_place: bool = False) -> Tensor:
-        """``loss * weight``: the one place the weighting rule is applied (``in_place`` for Lightning's loss).
-
-        Example:
-            >>> ItemCount(4.0, 0.5).weigh_loss(torch.tensor(2.0))
-            tensor(1.)
-        """
-        weight = self.weight
-        if not isinstance(weight, Tensor) and weight == 1.0:
-            return loss
-        if isinstance(weight, Tensor):
-            weight = weight.to(loss.device, non_blocking=True)
-        return loss.mul_(weight) if in_place else loss * weight
 
 
 @dataclass(frozen=True)
@@ -212,11 +187,7 @@ class GradAccumulator:
         self._ledger = Ledger(self._ledger_dtype)
         self._memory = WindowPeakMemory(self.device)  # reset when the statistics are read, not per window
         self._memory.start()
-        # The reference count of scaling="weighted": losses are weighted by items / reference, so that their
-        # gradients keep the magnitude of a mean's (raw counts overflow fp16). The first micro-batch's count
-        # (its mean over ranks) for the first window, then the mean count per micro-batch of the window
-        # before; constant inside a window and the same on every rank.
-        self._reference_count: float | Tensor | None = None
+        self._weighting = ItemWeighting(settings.scaling == "weighted", self._scalar, self._world)
         # Counters that never depend on tensor values live on the host.
         self._windows = 0
         self._total_micro_batches = 0
@@ -409,51 +380,8 @@ class GradAccumulator:
             >>> accumulator.weigh(8).weight, accumulator.weigh(4).weight  # relative to the first count
             (1.0, 0.5)
         """
-        weighted = self.settings.scaling == "weighted"
-        if type(items) is int and items >= 0 and error is None and not weighted:  # the common case, quickly
-            return ItemCount(float(items), 1.0)
         label = label or f"the item count of micro-batch {self._window.micro_batches} of the window"
-        value: float | Tensor | None = None
-        problem = error
-        check: InvalidCount | None = None
-        if problem is None and items is None and weighted:
-            problem = f"{label} is missing: `scaling='weighted'` needs the item count of every micro-batch"
-        elif problem is None and items is not None:
-            try:
-                value = check_item_count(items, label)
-            except (TypeError, ValueError) as exc:
-                problem = str(exc)
-        if isinstance(value, Tensor):
-            valid = (value >= 0) & (value < math.inf)  # nan fails both
-            check = InvalidCount(~valid, value, label)
-            if weighted:
-                value = torch.where(valid, self._scalar(value), 0.0)
-        if problem is not None:
-            value = 0.0
-        if not weighted:
-            return ItemCount(value, 1.0, problem, check)
-        assert value is not None
-        weight = value / self._reference(value)
-        if loss_dtype is not None and loss_dtype.is_floating_point and loss_dtype.itemsize < 4:
-            weight = (
-                weight.to(loss_dtype)
-                if isinstance(weight, Tensor)
-                else float(torch.tensor(weight, dtype=loss_dtype))  # a CPU op: no device sync
-            )
-        return ItemCount(value, weight, problem, check)
-
-    def _reference(self, first: float | Tensor) -> float | Tensor:
-        """The reference count of ``"weighted"`` for the open window (at least 1)."""
-        if self._reference_count is None:
-            world_size, all_reduce = self._world.resolve()
-            if all_reduce is not None:  # one small collective, once
-                total = all_reduce(self._scalar(first).clone().reshape(1)).reshape(())
-                self._reference_count = (total / world_size).clamp(min=1.0)
-            elif isinstance(first, Tensor):
-                self._reference_count = self._scalar(first).clamp(min=1.0)
-            else:
-                self._reference_count = max(float(first), 1.0)
-        return self._reference_count
+        return self._weighting.weigh(items, loss_dtype=loss_dtype, label=label, error=error)
 
     def loss_weight(self, items: Any) -> float | Tensor:
         """The factor a micro-batch's loss must be multiplied by before ``backward`` (1 unless weighted).
@@ -507,45 +435,12 @@ class GradAccumulator:
         if count.check is not None:
             window.tally.checks.append(count.check)
         to_buffers = window.new_gradients_to_buffers
-        keep = self._absorb(count) if to_buffers else None
+        keep = absorb_micro_batch(self, count) if to_buffers else None
         weight = count.weight if self.settings.scaling == "weighted" else None
         window.tally.add(count.items, loss, keep, weight)
         window.record_micro_batch(in_buffers=to_buffers)
         if not reevaluation:
             self._total_micro_batches += 1
-
-    def _absorb(self, count: ItemCount) -> Tensor | None:
-        """Move this micro-batch's ``.grad`` into the buffers; returns whether it was kept (or None)."""
-        assert self._buffers is not None
-        settings, window = self.settings, self._window
-        keep: Tensor | None = None
-        multiplier: Tensor | None = None
-        if settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch":
-            grads = [param.grad for _, param in self._named if param.grad is not None]
-            norm = total_norm(grads, settings.norm_type, device=self.device, foreach=self.foreach)
-            finite = torch.isfinite(norm)
-            if settings.overflow == "skip_micro_batch":
-                bad = (~finite).to(self._ledger_dtype)
-                _, all_reduce = self._world.resolve()
-                if all_reduce is not None:  # every rank drops the same micro-batch
-                    bad = all_reduce(bad.reshape(1)).reshape(())
-                keep = bad == 0
-                dropped = bad.clamp(max=1)
-                window.dropped = dropped if window.dropped is None else window.dropped + dropped
-            if settings.clip_mode == "micro_batch":
-                assert settings.max_grad_norm is not None
-                # undo the loss's weight and scale; a weight of 0 leaves a zero gradient, nothing to clip
-                factor = (
-                    (self._scalar(count.weight).to(norm.dtype) * self._gradient_scale())
-                    .abs()
-                    .clamp(min=1e-30)
-                )
-                decision = decide(norm / factor, max_norm=settings.max_grad_norm)
-                clipped = (decision.clipped & finite).to(self._ledger_dtype)
-                window.micro_clips = clipped if window.micro_clips is None else window.micro_clips + clipped
-                multiplier = torch.where(finite, decision.multiplier, 1.0)  # type: ignore[arg-type]
-        self._buffers.absorb(keep, multiplier)
-        return keep
 
     def flush_to_grad(self) -> None:
         """Write the buffered window into ``.grad`` so that the next backward adds to it.
@@ -607,7 +502,7 @@ class GradAccumulator:
                 clip_value=self.settings.clip_value,
             )
             live, has_items = self._account(window, measured, decision, reevaluation)
-            self._rebase_reference(measured.totals.items, world_size)
+            self._weighting.rebase(measured.totals.items, window.micro_batches * world_size)
             step = self._windows - (0 if reevaluation else 1)
             if not self._keeps_step(window, step, live, has_items, measured.totals.bad_items, sources):
                 for _, param in self._named:
@@ -780,21 +675,6 @@ class GradAccumulator:
             return world_size / (scale * torch.where(weights > 0, weights, 1.0))
         return world_size / (scale * (weights if weights > 0 else 1.0))
 
-    def _rebase_reference(self, items: Scalar, world_size: int) -> None:
-        """Set the next window's reference to this window's mean count per micro-batch and rank.
-
-        No collective: ``items`` is already summed over ranks. A window without items keeps the reference.
-        """
-        if self.settings.scaling != "weighted" or self._reference_count is None:
-            return
-        mean = items / (self._window.micro_batches * world_size)
-        if isinstance(mean, Tensor):
-            self._reference_count = torch.where(
-                mean > 0, mean.clamp(min=1.0), self._scalar(self._reference_count)
-            )
-        elif mean > 0:
-            self._reference_count = max(mean, 1.0)
-
     def _close_empty(self, reevaluation: bool) -> bool:
         """Close a window in which no micro-batch was recorded: no step (counted in ``empty_windows``)."""
         for _, param in self._named:  # e.g. stale gradients of an earlier window: nothing to step with
@@ -919,48 +799,7 @@ class GradAccumulator:
         the first rank, with the other ranks starting from zero, the sum continues exactly, because the
         all-reduce at the end of the window is linear. Syncs with the device (checkpoint time only).
         """
-        window = self._window
-        if window.empty:
-            return None
-        world_size, all_reduce = self._world.resolve()
-
-        def summed(tensor: Tensor) -> Tensor:
-            return all_reduce(tensor.clone()) if all_reduce is not None else tensor
-
-        in_buffers = window.sums_in_buffers
-        sums = self._buffers.window() if in_buffers and self._buffers is not None else None
-        tensors: dict[str, Tensor] = {}
-        for index, (name, param) in enumerate(self._named):
-            tensor = sums[index] if sums is not None else param.grad
-            if tensor is None and not param.requires_grad:  # frozen: nothing to save (the same on every rank)
-                continue
-            dtype = self._buffers.dtype if in_buffers and self._buffers is not None else param.dtype
-            local = tensor.detach() if tensor is not None else torch.zeros_like(param, dtype=dtype)
-            tensors[name] = summed(local).cpu()
-        totals = window.tally.totals()
-        micro_clips = window.micro_clips if window.micro_clips is not None else 0.0
-        counters = torch.stack([self._scalar(value) for value in (*totals.values(), micro_clips)])
-        items, weights, loss_sum, loss_weight, bad_items, micro_clips = summed(counters).tolist()
-        reference = self._reference_count
-        return {
-            "version": FORMAT_VERSION,
-            "kind": "buffers" if in_buffers else "grads",
-            "world_size": world_size,
-            "micro_batches": window.micro_batches,
-            "dropped": float(window.dropped)
-            if window.dropped is not None
-            else None,  # the same on every rank
-            "items": items,
-            "weights": weights,
-            "reference_count": float(reference) if reference is not None else None,
-            "loss_sum": loss_sum,
-            "loss_weight": loss_weight,
-            "micro_clips": micro_clips,
-            "bad_items": bad_items,
-            "loss_scale": window.loss_scale,
-            "amp_scale": self._amp_scale_value(),
-            "tensors": tensors,
-        }
+        return save_open_window(self)
 
     def load_window_state_dict(self, state: Mapping[str, Any], *, primary: bool = True) -> None:
         """Re-open a window saved by :meth:`window_state_dict`; nothing changes if it does not fit.
@@ -972,48 +811,4 @@ class GradAccumulator:
             state: The saved window.
             primary: Whether this rank takes the saved sums (rank 0); the other ranks start from zero.
         """
-        if not self._window.empty:
-            raise RuntimeError(
-                "A saved window can only be loaded between windows (the open one is not empty)."
-            )
-        kind = "buffers" if self._buffers is not None else "grads"
-        expected = {
-            name: (param.shape, self._buffers.dtype if self._buffers is not None else param.dtype)
-            for name, param in self._named
-        }
-        world_size, _ = self._world.resolve()
-        check_window_state(state, expected, kind, world_size)
-        now = self._loss_scale * self._amp_scale_value()
-        rescale = now / (float(state.get("loss_scale", 1.0)) * float(state.get("amp_scale", 1.0)))
-        self.reset(set_grads_to_none=True)
-        window = self._window
-        saved_tensors = state["tensors"]
-        saved: list[Tensor | None] = [
-            None
-            if name not in saved_tensors
-            else saved_tensors[name].to(param.device) * rescale
-            if primary
-            else torch.zeros_like(param, dtype=expected[name][1])
-            for name, param in self._named
-        ]
-        tally = window.tally
-        if primary:
-            tally.host_items = float(state["items"])
-            # format 1 weighted by raw counts: its weights are its items, relative to a reference of 1
-            tally.host_weights = float(state.get("weights", state["items"]))
-            tally.host_loss_sum = float(state["loss_sum"]) * rescale  # in the gradients' units
-            tally.host_loss_weight = float(state["loss_weight"])
-            if state["micro_clips"]:
-                window.micro_clips = float(state["micro_clips"])
-            tally.host_bad = float(state["bad_items"])
-        if self.settings.scaling == "weighted":
-            reference = state.get("reference_count", 1.0)
-            self._reference_count = float(reference) if reference is not None else None
-        if self._buffers is not None:
-            self._buffers.load(saved)
-        else:
-            for (_, param), tensor in zip(self._named, saved, strict=True):
-                param.grad = tensor
-        if state.get("dropped") is not None:
-            window.dropped = self._scalar(state["dropped"])
-        window.restored(in_buffers=self._buffers is not None, micro_batches=int(state["micro_batches"]))
+        load_open_window(self, state, primary=primary)

@@ -12,9 +12,13 @@ all-or-nothing: every check runs before anything is modified, and the first mism
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .accumulator import GradAccumulator
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
@@ -75,3 +79,109 @@ def check_window_state(
                 f"The checkpoint's pending gradient of `{name}` is {found}, but the parameter needs"
                 f" {(tuple(shape), dtype)}."
             )
+
+
+def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
+    """``accumulator``'s open window (its summed gradients and counters), or ``None`` between windows.
+
+    Under data parallelism the rank-dependent parts (gradients, items, losses) are summed over ranks:
+    a collective, so every rank must call it (Lightning does, when it saves a checkpoint). Loaded on
+    the first rank, with the other ranks starting from zero, the sum continues exactly, because the
+    all-reduce at the end of the window is linear. Syncs with the device (checkpoint time only).
+    """
+    window = accumulator._window
+    if window.empty:
+        return None
+    world_size, all_reduce = accumulator._world.resolve()
+
+    def summed(tensor: Tensor) -> Tensor:
+        return all_reduce(tensor.clone()) if all_reduce is not None else tensor
+
+    in_buffers = window.sums_in_buffers
+    sums = accumulator._buffers.window() if in_buffers and accumulator._buffers is not None else None
+    tensors: dict[str, Tensor] = {}
+    for index, (name, param) in enumerate(accumulator._named):
+        tensor = sums[index] if sums is not None else param.grad
+        if tensor is None and not param.requires_grad:  # frozen: nothing to save (the same on every rank)
+            continue
+        dtype = accumulator._buffers.dtype if in_buffers and accumulator._buffers is not None else param.dtype
+        local = tensor.detach() if tensor is not None else torch.zeros_like(param, dtype=dtype)
+        tensors[name] = summed(local).cpu()
+    totals = window.tally.totals()
+    micro_clips = window.micro_clips if window.micro_clips is not None else 0.0
+    counters = torch.stack([accumulator._scalar(value) for value in (*totals.values(), micro_clips)])
+    items, weights, loss_sum, loss_weight, bad_items, micro_clips = summed(counters).tolist()
+    reference = accumulator._weighting.reference_count
+    return {
+        "version": FORMAT_VERSION,
+        "kind": "buffers" if in_buffers else "grads",
+        "world_size": world_size,
+        "micro_batches": window.micro_batches,
+        "dropped": float(window.dropped) if window.dropped is not None else None,  # the same on every rank
+        "items": items,
+        "weights": weights,
+        "reference_count": float(reference) if reference is not None else None,
+        "loss_sum": loss_sum,
+        "loss_weight": loss_weight,
+        "micro_clips": micro_clips,
+        "bad_items": bad_items,
+        "loss_scale": window.loss_scale,
+        "amp_scale": accumulator._amp_scale_value(),
+        "tensors": tensors,
+    }
+
+
+def load_open_window(accumulator: GradAccumulator, state: Mapping[str, Any], *, primary: bool = True) -> None:
+    """Re-open a window saved by :func:`save_open_window`; nothing changes if it does not fit.
+
+    The saved sums are rescaled from the loss scale (and AMP scale) they were saved with to the current
+    ones, so a window resumes exactly with another K or after the GradScaler changed its scale.
+
+    Args:
+        accumulator: The accumulator whose (empty) window takes the saved one.
+        state: The saved window.
+        primary: Whether this rank takes the saved sums (rank 0); the other ranks start from zero.
+    """
+    if not accumulator._window.empty:
+        raise RuntimeError("A saved window can only be loaded between windows (the open one is not empty).")
+    kind = "buffers" if accumulator._buffers is not None else "grads"
+    expected = {
+        name: (param.shape, accumulator._buffers.dtype if accumulator._buffers is not None else param.dtype)
+        for name, param in accumulator._named
+    }
+    world_size, _ = accumulator._world.resolve()
+    check_window_state(state, expected, kind, world_size)
+    now = accumulator._loss_scale * accumulator._amp_scale_value()
+    rescale = now / (float(state.get("loss_scale", 1.0)) * float(state.get("amp_scale", 1.0)))
+    accumulator.reset(set_grads_to_none=True)
+    window = accumulator._window
+    saved_tensors = state["tensors"]
+    saved: list[Tensor | None] = [
+        None
+        if name not in saved_tensors
+        else saved_tensors[name].to(param.device) * rescale
+        if primary
+        else torch.zeros_like(param, dtype=expected[name][1])
+        for name, param in accumulator._named
+    ]
+    tally = window.tally
+    if primary:
+        tally.host_items = float(state["items"])
+        # format 1 weighted by raw counts: its weights are its items, relative to a reference of 1
+        tally.host_weights = float(state.get("weights", state["items"]))
+        tally.host_loss_sum = float(state["loss_sum"]) * rescale  # in the gradients' units
+        tally.host_loss_weight = float(state["loss_weight"])
+        if state["micro_clips"]:
+            window.micro_clips = float(state["micro_clips"])
+        tally.host_bad = float(state["bad_items"])
+    if accumulator.settings.scaling == "weighted":
+        reference = state.get("reference_count", 1.0)
+        accumulator._weighting.reference_count = float(reference) if reference is not None else None
+    if accumulator._buffers is not None:
+        accumulator._buffers.load(saved)
+    else:
+        for (_, param), tensor in zip(accumulator._named, saved, strict=True):
+            param.grad = tensor
+    if state.get("dropped") is not None:
+        window.dropped = accumulator._scalar(state["dropped"])
+    window.restored(in_buffers=accumulator._buffers is not None, micro_batches=int(state["micro_batches"]))

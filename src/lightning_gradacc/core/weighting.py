@@ -1,0 +1,140 @@
+"""Item weighting: a micro-batch's item count, checked without a sync, and the one rule for its weight.
+
+Under ``scaling="weighted"`` every micro-batch's loss (a mean over its items) is multiplied by
+``w = items / reference`` before ``backward``, and the boundary divides the window's sum by ``sum w``: the
+result is the mean over every item of the window. The reference keeps the weighted gradients at a mean's
+magnitude (raw counts overflow fp16): the first micro-batch's count (its mean over ranks) for the first
+window, then the mean count per micro-batch of the window before; constant inside a window and the same on
+every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .tally import InvalidCount
+from .validation import check_item_count
+from .world import World
+
+Scalar = float | Tensor
+
+
+@dataclass(frozen=True)
+class ItemCount:
+    """One micro-batch's item count, checked, and the factor its loss is multiplied by before ``backward``.
+
+    Made by :meth:`ItemWeighting.weigh`; an invalid count has weight 0 and is reported at the boundary.
+    """
+
+    items: float | Tensor | None
+    weight: float | Tensor
+    problem: str | None = None
+    check: InvalidCount | None = None
+
+    def weigh_loss(self, loss: Tensor, *, in_place: bool = False) -> Tensor:
+        """``loss * weight``: the one place the weighting rule is applied (``in_place`` for Lightning's loss).
+
+        Example:
+            >>> ItemCount(4.0, 0.5).weigh_loss(torch.tensor(2.0))
+            tensor(1.)
+        """
+        weight = self.weight
+        if not isinstance(weight, Tensor) and weight == 1.0:
+            return loss
+        if isinstance(weight, Tensor):
+            weight = weight.to(loss.device, non_blocking=True)
+        return loss.mul_(weight) if in_place else loss * weight
+
+
+class ItemWeighting:
+    """Checks item counts and weighs them against the reference count.
+
+    Args:
+        weighted: Whether losses are weighted (``scaling="weighted"``); otherwise every weight is 1.
+        scalar: Makes a scalar on the accumulator's device and dtype.
+        world: The ranks the first reference count is averaged over.
+
+    Example:
+        >>> weighting = ItemWeighting(True, lambda v: torch.as_tensor(v, dtype=torch.float64), World(1))
+        >>> weighting.weigh(8, label="a").weight, weighting.weigh(4, label="b").weight
+        (1.0, 0.5)
+    """
+
+    def __init__(self, weighted: bool, scalar: Callable[[Scalar], Tensor], world: World) -> None:
+        self.weighted = weighted
+        self._scalar = scalar
+        self._world = world
+        self.reference_count: float | Tensor | None = None
+
+    def weigh(
+        self, items: Any, *, label: str, loss_dtype: torch.dtype | None = None, error: str | None = None
+    ) -> ItemCount:
+        """Check ``items`` (never raising, never syncing) and compute the loss's weight.
+
+        See :meth:`GradAccumulator.weigh <lightning_gradacc.core.GradAccumulator.weigh>`.
+        """
+        weighted = self.weighted
+        if type(items) is int and items >= 0 and error is None and not weighted:  # the common case, quickly
+            return ItemCount(float(items), 1.0)
+        value: float | Tensor | None = None
+        problem = error
+        check: InvalidCount | None = None
+        if problem is None and items is None and weighted:
+            problem = f"{label} is missing: `scaling='weighted'` needs the item count of every micro-batch"
+        elif problem is None and items is not None:
+            try:
+                value = check_item_count(items, label)
+            except (TypeError, ValueError) as exc:
+                problem = str(exc)
+        if isinstance(value, Tensor):
+            valid = (value >= 0) & (value < math.inf)  # nan fails both
+            check = InvalidCount(~valid, value, label)
+            if weighted:
+                value = torch.where(valid, self._scalar(value), 0.0)
+        if problem is not None:
+            value = 0.0
+        if not weighted:
+            return ItemCount(value, 1.0, problem, check)
+        assert value is not None
+        weight = value / self._reference(value)
+        if loss_dtype is not None and loss_dtype.is_floating_point and loss_dtype.itemsize < 4:
+            weight = (
+                weight.to(loss_dtype)
+                if isinstance(weight, Tensor)
+                else float(torch.tensor(weight, dtype=loss_dtype))  # a CPU op: no device sync
+            )
+        return ItemCount(value, weight, problem, check)
+
+    def _reference(self, first: float | Tensor) -> float | Tensor:
+        """The reference count for the open window (at least 1); the first call all-reduces once."""
+        if self.reference_count is None:
+            world_size, all_reduce = self._world.resolve()
+            if all_reduce is not None:  # one small collective, once
+                total = all_reduce(self._scalar(first).clone().reshape(1)).reshape(())
+                self.reference_count = (total / world_size).clamp(min=1.0)
+            elif isinstance(first, Tensor):
+                self.reference_count = self._scalar(first).clamp(min=1.0)
+            else:
+                self.reference_count = max(float(first), 1.0)
+        return self.reference_count
+
+    def rebase(self, items: Scalar, micro_batches: int) -> None:
+        """Make the window's mean count per micro-batch the next window's reference.
+
+        No collective: ``items`` is already summed over ranks and ``micro_batches`` counts every rank's. A
+        window without items keeps the reference.
+        """
+        if not self.weighted or self.reference_count is None:
+            return
+        mean = items / micro_batches
+        if isinstance(mean, Tensor):
+            previous = self._scalar(self.reference_count)
+            self.reference_count = torch.where(mean > 0, mean.clamp(min=1.0), previous)
+        elif mean > 0:
+            self.reference_count = max(mean, 1.0)
