@@ -52,7 +52,7 @@ def format_summary(
         ("clipped steps", f"{stats.clipped_steps:,}"),
         ("last grad norm", f"{stats.last_grad_norm:.4g} (max seen {stats.max_grad_norm_seen:.4g})"),
         ("last window loss", "n/a" if math.isnan(window_loss) else f"{window_loss:.4f}"),
-        ("peak memory (last window)", _bytes(stats.peak_memory_bytes)),
+        ("peak memory", _bytes(stats.peak_memory_bytes)),
         ("accumulation buffers", _bytes(stats.buffer_bytes)),
         ("logs", log_dir or "no logger"),
     ]
