@@ -56,7 +56,7 @@ def format_summary(
         ("accumulation buffers", _bytes(stats.buffer_bytes)),
         ("logs", log_dir or "no logger"),
     ]
-    width = max(len(name) for name, _ in rows) + 4
+    width = max(29, max(len(name) for name, _ in rows) + 4)  # a stable layout
     lines = ["Gradient accumulation summary", "-" * 63]
     lines += [f"{name:<{width}}{value}" for name, value in rows]
     return "\n".join(lines)
