@@ -372,3 +372,104 @@ def test_the_sync_counter_sees_each_kind_of_sync() -> None:
         torch.equal(tensor, tensor)
         tensor.nonzero()
     assert counter.calls == ["item", "__bool__", "to(cpu)", "equal", "nonzero"]
+
+
+# ------------------------------------------------------------------ found in review of the reshaped core
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "norm_type"),
+    [
+        (torch.float64, 1e154, 2.0),
+        (torch.float64, 1e120, 3.0),
+        (torch.float32, 1e36, 9.0),
+        (torch.float32, 1.3e19, 2.0),
+    ],
+)
+def test_a_norm_beyond_its_dtype_is_non_finite_on_the_host_and_the_device_alike(
+    dtype, value, norm_type
+) -> None:
+    results = []
+    for overflow in ("skip", "ignore"):  # decided on the host after the sync / on the device
+        params = [nn.Parameter(torch.zeros(3, dtype=dtype)) for _ in range(3)]
+        accumulator = GradAccumulator(params, 1, overflow=overflow, norm_type=norm_type)
+        for param in params:
+            param.grad = torch.full((3,), value, dtype=dtype)
+        accumulator.record(3)
+        stepped = accumulator.finalize()
+        results.append((stepped if overflow == "skip" else None, accumulator.stats.non_finite_windows))
+    assert results == [(False, 1), (None, 1)]  # no OverflowError, the same verdict on both paths
+
+
+def _scaled_loop(
+    scaler: torch.amp.GradScaler | None, nan_at: int | None, **options
+) -> tuple[nn.Module, list[bool]]:
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    accumulator = GradAccumulator(net.named_parameters(), 2, grad_scaler=scaler, **options)
+    x, y = torch.randn(8, 3), torch.randn(8, 2)
+    stepped = []
+    for index in range(4):
+        loss = nn.functional.mse_loss(net(x[index * 2 : index * 2 + 2]), y[index * 2 : index * 2 + 2])
+        if index == nan_at:
+            loss = loss * math.nan
+        accumulator.backward(loss, items=2)
+        if accumulator.window_full:
+            stepped.append(accumulator.step(optimizer))
+    return net, stepped
+
+
+@pytest.mark.parametrize("options", [{}, {"accumulation_dtype": "float64"}])
+def test_step_with_a_grad_scaler_flushes_buffers_and_says_whether_it_stepped(options: dict) -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaled, stepped = _scaled_loop(scaler, nan_at=1, **options)
+    plain, plain_stepped = _scaled_loop(None, nan_at=1, **options)
+    assert stepped == plain_stepped == [False, True]  # the scaler skipped the first window itself
+    assert h.max_abs_diff(scaled, plain) < 1e-6
+
+
+def test_reading_the_statistics_does_not_restart_the_memory_peak() -> None:
+    net = nn.Linear(3, 1)
+    accumulator = GradAccumulator(net.parameters(), 1)
+    before = accumulator.stats.peak_memory_bytes
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed
+    big.add_(1.0)
+    del big
+    first = accumulator.stats.peak_memory_bytes
+    assert first >= before + 48 * 2**20  # (the resident-set peak on CPU moves by whole pages)
+    assert accumulator.stats.peak_memory_bytes >= first  # a second read keeps the peak
+    accumulator.reset_peak_memory()
+    assert accumulator.stats.peak_memory_bytes < first - 32 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("method", "kwargs", "hint"),
+    [
+        ("finalize", {"grad_scale": 0.25}, "loss_scale"),
+        ("finalize", {"overflow_handled_externally": True}, "grad_scaler="),
+        ("record", {"grad_scale": 0.25}, "loss_scale"),
+        ("load_window_state_dict", {"state": {}, "rescale": 2.0}, "rescaled"),
+    ],
+)
+def test_arguments_of_0_1_say_what_replaces_them(method: str, kwargs: dict, hint: str) -> None:
+    accumulator = GradAccumulator(nn.Linear(2, 1).parameters(), 2)
+    with pytest.raises(TypeError, match=f"{method}.*removed in 0.2.*{hint}"):
+        getattr(accumulator, method)(**kwargs)
+
+
+def test_a_window_saved_without_its_scales_resumes_with_the_scales_in_force() -> None:
+    net = nn.Linear(2, 1)
+    accumulator = GradAccumulator(net.named_parameters(), 2)
+    accumulator.loss_scale = 0.5
+    net(torch.ones(1, 2)).sum().mul(0.5).backward()
+    accumulator.record(1)
+    state = accumulator.window_state_dict()
+    assert state is not None
+    old = {key: value for key, value in state.items() if key not in ("loss_scale", "amp_scale")}
+    old["version"] = 2
+    restored_net = nn.Linear(2, 1)
+    restored = GradAccumulator(restored_net.named_parameters(), 2)
+    restored.loss_scale = 0.5
+    restored.load_window_state_dict(old)
+    assert torch.equal(restored_net.weight.grad, net.weight.grad)  # taken as is, not rescaled by 0.5

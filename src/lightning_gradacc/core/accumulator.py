@@ -55,6 +55,25 @@ class _Measured:
     loss: tuple[Scalar, Scalar] | None  # (loss sum, loss weight) when computed now
 
 
+_REMOVED = {  # keyword arguments of 0.1 -> what replaces them
+    "grad_scale": "set `accumulator.loss_scale` (what each loss was multiplied by, e.g. 1 / K) once, before"
+    " the window's first micro-batch",
+    "loss_scale": "set `accumulator.loss_scale` before the window; the AMP scale is read from `grad_scaler=`",
+    "overflow_handled_externally": "pass `grad_scaler=` to the constructor",
+    "rescale": "nothing: a saved window is rescaled from the loss and AMP scales it records to the current"
+    " ones",
+}
+
+
+def _refuse_removed(method: str, given: Mapping[str, Any]) -> None:
+    """A clear ``TypeError`` for a keyword argument that 0.1 took and this version does not."""
+    for name in given:
+        hint = _REMOVED.get(name)
+        if hint is None:
+            raise TypeError(f"GradAccumulator.{method}() got an unexpected keyword argument '{name}'")
+        raise TypeError(f"`GradAccumulator.{method}({name}=...)` was removed in 0.2: {hint}.")
+
+
 def _mean_loss(loss_sum: Scalar, loss_weight: Scalar, loss_scale: Scalar) -> Scalar:
     """``loss_sum / loss_weight / loss_scale`` with as few kernels as its operands allow (nan if no loss)."""
     if isinstance(loss_weight, Tensor) or isinstance(loss_scale, Tensor):
@@ -411,7 +430,12 @@ class GradAccumulator:
         self.record(count, loss.detach())
 
     def record(
-        self, items: ItemCount | Any = None, loss: Tensor | float | None = None, *, reevaluation: bool = False
+        self,
+        items: ItemCount | Any = None,
+        loss: Tensor | float | None = None,
+        *,
+        reevaluation: bool = False,
+        **removed: Any,
     ) -> None:
         """Count a micro-batch whose gradient has been added to ``.grad`` (and move it to the buffers).
 
@@ -427,7 +451,9 @@ class GradAccumulator:
                 ``loss_scale`` and the AMP scale, which the boundary divides out), for ``window_loss``.
             reevaluation: The same micro-batch evaluated again for the same step (an optimizer such as
                 LBFGS calls its closure several times): not counted in ``total_micro_batches``.
+            **removed: Keyword arguments of 0.1 (``grad_scale``): a ``TypeError`` says what replaces them.
         """
+        _refuse_removed("record", removed)
         window = self._window
         count = items if isinstance(items, ItemCount) else self.weigh(items)
         if count.problem is not None:
@@ -468,7 +494,7 @@ class GradAccumulator:
         """Whether the step's decision needs a host sync anyway (then every scalar comes along in it)."""
         return self._scaler is None and self.settings.overflow != "ignore"
 
-    def finalize(self, *, reevaluation: bool = False, read_statistics: bool = False) -> bool:
+    def finalize(self, *, reevaluation: bool = False, read_statistics: bool = False, **removed: Any) -> bool:
         """Turn the window's summed gradients into the final gradient, in place; close the window.
 
         Args:
@@ -477,6 +503,8 @@ class GradAccumulator:
             read_statistics: The statistics will be read before the next window closes (e.g. logged):
                 the window loss is then computed now and copied in this step's one sync, instead of in
                 a second sync when it is read.
+            **removed: Keyword arguments of 0.1 (``grad_scale``, ``loss_scale``,
+                ``overflow_handled_externally``): a ``TypeError`` says what replaces them.
 
         Returns:
             Whether the optimizer should step. ``False`` for a skipped non-finite window and for an empty
@@ -487,6 +515,7 @@ class GradAccumulator:
             GradientOverflowError: ``overflow="raise"`` and the gradient is not finite.
             ValueError: an item count of the window, on this rank or another, was invalid.
         """
+        _refuse_removed("finalize", removed)
         window = self._window
         if window.empty:
             return self._close_empty(reevaluation)
@@ -579,7 +608,12 @@ class GradAccumulator:
         host_largest = values[offset + len(tensor_wise) :] if settings.clip_value is not None else None
         return _Measured(
             WindowTotals(*values[:5]),
-            Norms.on_host(host_norms, settings.norm_type, host_largest),
+            Norms.on_host(
+                host_norms,
+                settings.norm_type,
+                host_largest,
+                dtype=torch.float64 if any(n.dtype == torch.float64 for n in tensor_wise) else torch.float32,
+            ),
             values[5],
             values[6],
             (values[7], values[8]) if loss is not None else None,
@@ -707,12 +741,17 @@ class GradAccumulator:
         """
         if not (self.window_full or (force and not self._window.empty)):
             return False
-        if self._scaler is not None:
-            self._scaler.unscale_(optimizer)
+        scaler = self._scaler
+        if scaler is not None:
+            self.flush_to_grad()  # the scaler unscales and checks `.grad`
+            scaler.unscale_(optimizer)
         stepped = self.finalize()
-        if self._scaler is not None:
-            self._scaler.step(optimizer)
-            self._scaler.update()
+        if scaler is not None:
+            # the scaler skips a non-finite step itself; whether it did is one sync, here only
+            found_inf = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            stepped = stepped and not any(float(value.item()) for value in found_inf.values())
+            scaler.step(optimizer)
+            scaler.update()
         elif stepped:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -733,8 +772,7 @@ class GradAccumulator:
         """A frozen snapshot of the statistics (syncs once if a window closed since the last read)."""
         ledger = self._ledger.values(deferred=False)
         ledger.pop("window_loss")  # not a field of the snapshot: see `window_loss`
-        self._peak_memory_bytes = self._memory.read()  # the peak since the last read (a syscall on CPU)
-        self._memory.start()
+        self._peak_memory_bytes = self._memory.read()  # since creation or `reset_peak_memory` (a syscall)
         return AccumulationStats(
             accumulation_steps=self._accumulation_steps,
             open_window_micro_batches=self._window.micro_batches,
@@ -748,6 +786,10 @@ class GradAccumulator:
             peak_memory_bytes=self._peak_memory_bytes,
             **{name: int(value) if name in COUNTERS else value for name, value in ledger.items()},  # type: ignore[arg-type]
         )
+
+    def reset_peak_memory(self) -> None:
+        """Start a new interval for ``peak_memory_bytes`` (the callback does after each logged step)."""
+        self._memory.start()
 
     @property
     def window_loss(self) -> float:
@@ -801,7 +843,9 @@ class GradAccumulator:
         """
         return save_open_window(self)
 
-    def load_window_state_dict(self, state: Mapping[str, Any], *, primary: bool = True) -> None:
+    def load_window_state_dict(
+        self, state: Mapping[str, Any], *, primary: bool = True, **removed: Any
+    ) -> None:
         """Re-open a window saved by :meth:`window_state_dict`; nothing changes if it does not fit.
 
         The saved sums are rescaled from the loss scale (and AMP scale) they were saved with to the current
@@ -810,5 +854,7 @@ class GradAccumulator:
         Args:
             state: The saved window.
             primary: Whether this rank takes the saved sums (rank 0); the other ranks start from zero.
+            **removed: ``rescale`` of 0.1: a ``TypeError`` says why it is not needed.
         """
+        _refuse_removed("load_window_state_dict", removed)
         load_open_window(self, state, primary=primary)

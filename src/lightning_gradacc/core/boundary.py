@@ -34,40 +34,55 @@ class Norms:
     largest_element: Scalar | None = None  # the inf-norm, for clip_value statistics
 
     @classmethod
-    def on_host(cls, per_tensor: list[float], norm_type: float, largest: list[float] | None = None) -> Norms:
+    def on_host(
+        cls,
+        per_tensor: list[float],
+        norm_type: float,
+        largest: list[float] | None = None,
+        *,
+        dtype: torch.dtype = torch.float64,
+    ) -> Norms:
         """Norms combined on the host from each tensor's norm (copied in a sync the caller makes anyway).
+
+        ``dtype`` is the one :func:`combine_norms` would combine them in on the device: a total beyond its
+        range is ``inf`` here too, so that both paths call the same windows non-finite.
 
         Example:
             >>> Norms.on_host([3.0, 4.0], 2.0).total
             5.0
         """
         return cls(
-            combine_on_host(per_tensor, norm_type),
+            combine_on_host(per_tensor, norm_type, dtype),
             per_tensor,
-            combine_on_host(largest, math.inf) if largest is not None else None,
+            combine_on_host(largest, math.inf, dtype) if largest is not None else None,
         )
 
 
-def combine_on_host(norms: list[float], norm_type: float) -> float:
-    """The norm of all tensors together from their own norms, in float64 on the host.
+def combine_on_host(norms: list[float], norm_type: float, dtype: torch.dtype = torch.float64) -> float:
+    """The norm of all tensors together from their own norms, on the host, as ``dtype`` would hold it.
 
-    ``nan`` if any norm is ``nan``, else ``inf`` if any is ``inf``, as ``torch.linalg.vector_norm``.
+    ``nan`` if any norm is ``nan``, else ``inf`` if any is ``inf`` or the total exceeds ``dtype``'s range,
+    as ``torch.linalg.vector_norm`` in that dtype. Computed relative to the largest norm, so no
+    intermediate overflows.
 
     Example:
         >>> combine_on_host([3.0, 4.0], 2.0), combine_on_host([3.0, 4.0], math.inf)
         (5.0, 4.0)
+        >>> combine_on_host([1e30, 1e30], 2.0, torch.float32)  # 1.4e30 fits float32; 1e39 would not
+        1.4142135623730953e+30
     """
     if not norms:
         return 0.0
     if any(math.isnan(n) for n in norms):
         return math.nan
-    if norm_type == math.inf or any(math.isinf(n) for n in norms):
-        return max(norms)
-    if norm_type == 2.0:
-        return math.sqrt(math.fsum(n * n for n in norms))
-    if norm_type == 1.0:
-        return math.fsum(norms)
-    return float(math.fsum(n**norm_type for n in norms) ** (1.0 / norm_type))
+    largest = max(norms)
+    if norm_type == math.inf or math.isinf(largest) or largest == 0.0:
+        total = largest
+    elif norm_type == 1.0:
+        total = math.fsum(norms)
+    else:  # largest * (sum (n / largest)^p)^(1/p): every term <= 1
+        total = largest * math.fsum((n / largest) ** norm_type for n in norms) ** (1.0 / norm_type)
+    return math.inf if total > torch.finfo(dtype).max else float(total)
 
 
 @dataclass(frozen=True)

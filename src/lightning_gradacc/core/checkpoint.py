@@ -151,8 +151,12 @@ def load_open_window(accumulator: GradAccumulator, state: Mapping[str, Any], *, 
     }
     world_size, _ = accumulator._world.resolve()
     check_window_state(state, expected, kind, world_size)
-    now = accumulator._loss_scale * accumulator._amp_scale_value()
-    rescale = now / (float(state.get("loss_scale", 1.0)) * float(state.get("amp_scale", 1.0)))
+    amp_now = accumulator._amp_scale_value()
+    # a window saved by 0.1's core records neither scale: it is taken to carry the ones in force now
+    saved_scale = float(state.get("loss_scale", accumulator._loss_scale)) * float(
+        state.get("amp_scale", amp_now)
+    )
+    rescale = accumulator._loss_scale * amp_now / saved_scale
     accumulator.reset(set_grads_to_none=True)
     window = accumulator._window
     saved_tensors = state["tensors"]

@@ -38,9 +38,10 @@ class AccumulationStats:
         micro_batches_last_step: Micro-batches in the last window (k, which is < K for a partial window).
         num_parameters: Trainable parameter elements tracked.
         buffer_bytes: Extra memory held by the accumulator (0: gradients accumulate in ``.grad``).
-        peak_memory_bytes: Peak device memory since the statistics were last read, so over the windows
-            closed since (CUDA allocator peak on GPU, process resident-set peak on CPU). Measured when read:
-            nothing is measured per window.
+        peak_memory_bytes: Peak device memory since the accumulator was created or its
+            ``reset_peak_memory()`` was last called (the callback calls it after each logged step) (CUDA
+            allocator peak on GPU, process resident-set peak on CPU). Measured when read: nothing is
+            measured per window.
 
     Example:
         >>> stats = AccumulationStats(accumulation_steps=4, windows=3, skipped_steps=1)
