@@ -51,13 +51,19 @@ def boundary_pass(params: list[Tensor], device: str, repeats: int) -> dict[str, 
 
     ``ours``: the accumulator's boundary (overflow check, scaling, norm, clip, one sync); ``limit``:
     ``_foreach_norm`` + ``_foreach_mul_``, what ``clip_grad_norm_`` does; ``naive``: a per-parameter loop.
+    Each does its multiply pass: the accumulator skips a multiply by exactly 1, so its loss scale
+    alternates between 2 and 1/2 (the gradients stay bounded), and the others multiply by their clip
+    coefficient, 1.
     """
     for param in params:
         param.grad = torch.ones_like(param)
     grads = [p.grad for p in params]
     accumulator = GradAccumulator(params, 1, max_grad_norm=1e9)  # clip coefficient computed, never < 1
+    calls = [0]
 
     def ours() -> None:
+        calls[0] += 1
+        accumulator.loss_scale = 2.0 if calls[0] % 2 else 0.5
         accumulator.record()
         accumulator.finalize()
 
@@ -86,7 +92,7 @@ def boundary_pass(params: list[Tensor], device: str, repeats: int) -> dict[str, 
 class PeakProbe(pl.Callback):
     """Peak memory over the whole training run (allocator peak on CUDA, resident peak on CPU).
 
-    The accumulation callback resets the process-wide peak at every window start, so this probe (placed
+    The accumulation callback resets the process-wide peak after each logged step, so this probe (placed
     before it) reads the peak at every point where a reset may follow and keeps the maximum.
     """
 

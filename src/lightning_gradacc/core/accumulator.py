@@ -74,6 +74,11 @@ def _refuse_removed(method: str, given: Mapping[str, Any]) -> None:
         raise TypeError(f"`GradAccumulator.{method}({name}=...)` was removed in 0.2: {hint}.")
 
 
+def _stacked(scalars: list[Tensor], device: torch.device) -> Tensor:
+    """One vector of scalars (empty when there are none)."""
+    return torch.stack(scalars) if scalars else torch.zeros(0, device=device)
+
+
 def _mean_loss(loss_sum: Scalar, loss_weight: Scalar, loss_scale: Scalar) -> Scalar:
     """``loss_sum / loss_weight / loss_scale`` with as few kernels as its operands allow (nan if no loss)."""
     if isinstance(loss_weight, Tensor) or isinstance(loss_scale, Tensor):
@@ -591,28 +596,30 @@ class GradAccumulator:
             )
             return _Measured(totals, norms, dropped, micro_clips, loss)
         # Each tensor's norm goes to the host, where they are combined: no kernel for the total.
-        tensor_wise = tensor_norms(grads, settings.norm_type, device=self.device, foreach=self.foreach)
+        each = tensor_norms(grads, settings.norm_type, device=self.device, foreach=self.foreach)
+        tensor_wise = _stacked(each, self.device)
         largest_wise: list[Tensor] = []
         if settings.clip_value is not None:
-            largest_wise = (
+            largest_wise = [
                 tensor_wise
                 if settings.norm_type == math.inf
-                else tensor_norms(grads, math.inf, device=self.device, foreach=self.foreach)
-            )
-        values = [*totals.values(), dropped, micro_clips, *(loss or ()), *tensor_wise, *largest_wise]
+                else _stacked(
+                    tensor_norms(grads, math.inf, device=self.device, foreach=self.foreach), self.device
+                )
+            ]
+        values = [*totals.values(), dropped, micro_clips, *(loss or ()), tensor_wise, *largest_wise]
         on_device = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
         for i, value in zip(on_device, self._ledger.sync(*(values[i] for i in on_device)), strict=True):
             values[i] = value
         offset = 9 if loss is not None else 7
-        host_norms = values[offset : offset + len(tensor_wise)]
-        host_largest = values[offset + len(tensor_wise) :] if settings.clip_value is not None else None
+        wide = torch.float64 if any(dtype == torch.float64 for _, dtype in grads) else torch.float32
         return _Measured(
             WindowTotals(*values[:5]),
             Norms.on_host(
-                host_norms,
+                values[offset],
                 settings.norm_type,
-                host_largest,
-                dtype=torch.float64 if any(n.dtype == torch.float64 for n in tensor_wise) else torch.float32,
+                values[offset + 1] if settings.clip_value is not None else None,
+                dtype=wide,
             ),
             values[5],
             values[6],

@@ -69,15 +69,17 @@ def combine_on_host(norms: list[float], norm_type: float, dtype: torch.dtype = t
         >>> combine_on_host([3.0, 4.0], 2.0), combine_on_host([3.0, 4.0], math.inf)
         (5.0, 4.0)
         >>> combine_on_host([1e30, 1e30], 2.0, torch.float32)  # 1.4e30 fits float32; 1e39 would not
-        1.4142135623730953e+30
+        1.414213562373095e+30
     """
     if not norms:
         return 0.0
-    if any(math.isnan(n) for n in norms):
+    if math.isnan(math.fsum(norms)):  # one C pass; inf + (-inf) cannot occur: norms are >= 0
         return math.nan
     largest = max(norms)
     if norm_type == math.inf or math.isinf(largest) or largest == 0.0:
         total = largest
+    elif norm_type == 2.0:
+        total = math.hypot(*norms)  # C, scaled internally: no intermediate overflow
     elif norm_type == 1.0:
         total = math.fsum(norms)
     else:  # largest * (sum (n / largest)^p)^(1/p): every term <= 1

@@ -175,16 +175,20 @@ def _scale(
         if not group:
             continue
         wide = at_least_float32(group_dtype)  # the group's precision: no promotion per tensor
+        # On CPU the foreach kernels take a scalar tensor up to 3x faster than a Python number (200 tensors
+        # of 4K: 124 vs 382 us); on a GPU a Python number is a kernel argument, with no tensor to make.
+        on_cpu = group_device.type == "cpu"
         local: list[Tensor] | list[float] | float | Tensor
         if isinstance(factor, (int, float)):
-            local = factor
+            local = torch.full((), factor, dtype=wide) if on_cpu else factor
         elif isinstance(factor, Tensor):
             local = factor.to(group_device, wide, non_blocking=True)
         else:
             mine = factor[offset : offset + len(group)]
             offset += len(group)
-            if all(isinstance(f, (int, float)) for f in mine):  # host numbers: the scalar-list kernel
-                local = [float(f) for f in mine]
+            if all(isinstance(f, (int, float)) for f in mine):  # host numbers
+                numbers = [float(f) for f in mine]
+                local = list(torch.tensor(numbers, dtype=wide).unbind()) if on_cpu else numbers
             else:
                 local = [
                     f.to(group_device, wide, non_blocking=True)

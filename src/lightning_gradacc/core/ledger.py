@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -119,13 +119,10 @@ class Ledger:
         if len(self._pending) >= MAX_PENDING:
             self.sync()
 
-    def _stack(self, scalars: list[Tensor], *, cast: bool = True) -> Tensor:
-        """One vector from device scalars (``torch.stack`` promotes their dtypes), in the ledger's dtype.
-
-        ``cast=False`` keeps the promoted dtype (for a vector that is only copied to the host).
-        """
+    def _stack(self, scalars: list[Tensor]) -> Tensor:
+        """One vector from device scalars (``torch.stack`` promotes their dtypes), in the ledger's dtype."""
         vector = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in scalars])
-        return vector.to(self.dtype) if cast and vector.dtype != self.dtype else vector
+        return vector if vector.dtype == self.dtype else vector.to(self.dtype)
 
     def _fold_host(self, values: Mapping[str, float]) -> None:
         for name, value in values.items():
@@ -136,27 +133,40 @@ class Ledger:
         """Whether every window is folded on the host (reading costs no sync)."""
         return not self._pending
 
-    def sync(self, *extra: Tensor) -> list[float]:
-        """Copy the pending rows (and ``extra`` device scalars) to the host in one sync; fold them.
+    def sync(self, *extra: Tensor) -> list[Any]:
+        """Copy the pending rows and ``extra`` device scalars or vectors to the host in one sync; fold.
+
+        Everything is on the accumulator's device; ``torch.stack``/``torch.cat`` promote the dtypes.
 
         Returns:
-            The values of ``extra``.
+            The values of ``extra``: a float for a scalar, a list of floats for a vector.
         """
         rows = [row for _, _, row in self._pending if row.numel()]
+        scalars = [t for t in extra if t.dim() == 0]
+        vectors = [t for t in extra if t.dim() != 0]
         if not extra and not rows:
             copied: list[float] = []
-        elif len(extra) == 1 and not rows:  # one scalar, one copy
-            copied = [float(extra[0].item())]
-        else:  # one vector, one copy (everything is on the accumulator's device)
-            vectors = ([self._stack(list(extra), cast=bool(rows))] if extra else []) + rows
-            copied = (vectors[0] if len(vectors) == 1 else torch.cat(vectors)).tolist()
-        extra_values, offset = copied[: len(extra)], len(extra)
+        elif len(scalars) == 1 and not vectors and not rows:  # one scalar, one copy
+            copied = [float(scalars[0].item())]
+        else:  # one vector, one copy
+            parts = ([torch.stack(scalars)] if scalars else []) + vectors + rows
+            copied = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        values: list[Any] = []
+        at_scalar, at_vector = 0, len(scalars)
+        for tensor in extra:
+            if tensor.dim() == 0:
+                values.append(copied[at_scalar])
+                at_scalar += 1
+            else:
+                values.append(copied[at_vector : at_vector + tensor.numel()])
+                at_vector += tensor.numel()
+        offset = at_vector
         for host, names, row in self._pending:
             device_values = copied[offset : offset + row.numel()]
             offset += row.numel()
             self._fold_host({**host, **dict(zip(names, device_values, strict=True))})
         self._pending.clear()
-        return extra_values
+        return values
 
     def values(self, *, deferred: bool = True) -> dict[str, float]:
         """Every statistic by name (syncs once if device rows are pending or a deferred value is a tensor).
