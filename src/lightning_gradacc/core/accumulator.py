@@ -25,14 +25,15 @@ import torch
 from torch import Tensor
 from torch.nn.parameter import is_lazy
 
-from .boundary import Decision, Flag, Norms, apply_, both, decide, either, measure, negate
+from .boundary import Decision, Flag, Norms, apply_, both, decide, either, negate
 from .buffers import GradBuffers
 from .checkpoint import FORMAT_VERSION, READABLE_VERSIONS, load_open_window, save_open_window
 from .errors import GradientOverflowError
-from .kernels import GroupKey, non_finite_names, tensor_norms
+from .kernels import GroupKey, combine_norms, non_finite_names, tensor_norms
 from .ledger import COUNTERS, Ledger
 from .memory import WindowPeakMemory
 from .micro_batch import absorb_micro_batch
+from .shards import combine_shard_norms, local_shards
 from .stats import AccumulationStats
 from .store import WindowGradients
 from .tally import WindowTotals
@@ -525,9 +526,9 @@ class GradAccumulator:
         if window.empty:
             return self._close_empty(reevaluation)
         try:
-            sources, grads = self._window_sums(window)
+            sources, grads, shard_groups = self._window_sums(window)
             world_size, all_reduce = self._world.resolve()
-            measured = self._measure(window, grads, all_reduce, read_statistics)
+            measured = self._measure(window, grads, shard_groups, all_reduce, read_statistics)
             decision = decide(
                 measured.norms,
                 self._normalization(measured.totals.weights, measured.dropped, world_size),
@@ -551,8 +552,14 @@ class GradAccumulator:
             window.close()
             self._window = self._new_window()
 
-    def _window_sums(self, window: Window) -> tuple[list[Tensor | None], dict[GroupKey, list[Tensor]]]:
-        """The window's sums per tracked parameter (``None``: no gradient), and grouped by (device, dtype)."""
+    def _window_sums(
+        self, window: Window
+    ) -> tuple[list[Tensor | None], dict[GroupKey, list[Tensor]], list[Any] | None]:
+        """The window's sums per tracked parameter (``None``: no gradient), grouped by (device, dtype).
+
+        Sharded gradients (``DTensor``) are replaced by their local shards, worked on in place; the third
+        value gives, in group order, the process group of each sharded one (``None`` if none is sharded).
+        """
         if window.sums_in_buffers:
             assert self._buffers is not None
             sources, layout = self._buffers.window(), self._buffer_groups  # dense by construction
@@ -561,13 +568,25 @@ class GradAccumulator:
             for (name, _), tensor in zip(self._named, sources, strict=True):
                 if tensor is not None and tensor.is_sparse:
                     raise TypeError(f"Sparse gradients are not supported (parameter `{name}`).")
-        grads = {key: [t for i in ids if (t := sources[i]) is not None] for key, ids in layout.items()}
-        return sources, grads
+        local, groups = local_shards(sources)
+        grads = {key: [t for i in ids if (t := local[i]) is not None] for key, ids in layout.items()}
+        if not any(group is not None for group in groups):
+            return sources, grads, None
+        in_group_order = [groups[i] for ids in layout.values() for i in ids if local[i] is not None]
+        return sources, grads, in_group_order
+
+    def _tensor_norms(
+        self, grads: dict[GroupKey, list[Tensor]], norm_type: float, shard_groups: list[Any] | None
+    ) -> list[Tensor]:
+        """Each gradient's norm (in group order), combined over its shards when it is sharded."""
+        each = tensor_norms(grads, norm_type, device=self.device, foreach=self.foreach)
+        return each if shard_groups is None else combine_shard_norms(each, shard_groups, norm_type)
 
     def _measure(
         self,
         window: Window,
         grads: dict[GroupKey, list[Tensor]],
+        shard_groups: list[Any] | None,
         all_reduce: AllReduce | None,
         read_statistics: bool,
     ) -> _Measured:
@@ -585,28 +604,25 @@ class GradAccumulator:
             loss = (totals.loss_sum, totals.loss_weight)
         elif read_statistics:
             loss = window.tally.loss_totals()
+        each = self._tensor_norms(grads, settings.norm_type, shard_groups)
+        each_largest: list[Tensor] | None = None  # each tensor's largest element, for clip_value
+        if settings.clip_value is not None:
+            each_largest = (
+                each if settings.norm_type == math.inf else self._tensor_norms(grads, math.inf, shard_groups)
+            )
         if not self._decides_on_host:
-            norms = measure(
-                grads,
-                settings.norm_type,
-                device=self.device,
-                foreach=self.foreach,
-                per_tensor=settings.clip_scope == "parameter" and settings.max_grad_norm is not None,
-                largest_element=settings.clip_value is not None,
+            per_tensor = settings.clip_scope == "parameter" and settings.max_grad_norm is not None
+            norms = Norms(
+                combine_norms(each, settings.norm_type, device=self.device),
+                each if per_tensor else None,
+                combine_norms(each_largest, math.inf, device=self.device)
+                if each_largest is not None
+                else None,
             )
             return _Measured(totals, norms, dropped, micro_clips, loss)
         # Each tensor's norm goes to the host, where they are combined: no kernel for the total.
-        each = tensor_norms(grads, settings.norm_type, device=self.device, foreach=self.foreach)
         tensor_wise = _stacked(each, self.device)
-        largest_wise: list[Tensor] = []
-        if settings.clip_value is not None:
-            largest_wise = [
-                tensor_wise
-                if settings.norm_type == math.inf
-                else _stacked(
-                    tensor_norms(grads, math.inf, device=self.device, foreach=self.foreach), self.device
-                )
-            ]
+        largest_wise = [_stacked(each_largest, self.device)] if each_largest is not None else []
         values = [*totals.values(), dropped, micro_clips, *(loss or ()), tensor_wise, *largest_wise]
         on_device = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
         for i, value in zip(on_device, self._ledger.sync(*(values[i] for i in on_device)), strict=True):

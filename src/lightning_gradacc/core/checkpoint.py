@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from .shards import local_shards
+
 if TYPE_CHECKING:
     from .accumulator import GradAccumulator
 
@@ -92,6 +94,11 @@ def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
     window = accumulator._window
     if window.empty:
         return None
+    if any(group is not None for group in local_shards([p.grad for _, p in accumulator._named])[1]):
+        raise NotImplementedError(
+            "Saving a window of sharded (DTensor) gradients in the middle of the window is not supported yet:"
+            " checkpoint at the end of a window (e.g. `ModelCheckpoint(every_n_train_steps=...)`)."
+        )
     world_size, all_reduce = accumulator._world.resolve()
 
     def summed(tensor: Tensor) -> Tensor:

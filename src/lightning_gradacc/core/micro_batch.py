@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .boundary import decide
 from .kernels import total_norm
+from .shards import local_shards
 from .weighting import ItemCount
 
 if TYPE_CHECKING:
@@ -28,6 +29,12 @@ def absorb_micro_batch(accumulator: GradAccumulator, count: ItemCount) -> Tensor
         A device bool saying whether the micro-batch was kept (``None`` when nothing checks it).
     """
     assert accumulator._buffers is not None
+    grads = [param.grad for _, param in accumulator._named if param.grad is not None]
+    if any(group is not None for group in local_shards(grads)[1]):
+        raise NotImplementedError(
+            "`accumulation_dtype` with sharded (DTensor) gradients is not supported yet: accumulate in"
+            " `.grad` (leave `accumulation_dtype` unset)."
+        )
     settings, window = accumulator.settings, accumulator._window
     keep: Tensor | None = None
     multiplier: Tensor | None = None

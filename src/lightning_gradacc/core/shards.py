@@ -1,0 +1,86 @@
+"""Sharded gradients (``DTensor``, as FSDP2's ``fully_shard`` makes them): local shards and their norms.
+
+The boundary works on each rank's local shard in place; only the norms need the other ranks: each
+tensor's norm is combined over the ranks that hold its shards with one all-reduce of a vector (the sum of
+p-th powers, or the maximum for ``inf``), never by gathering gradients. A tensor replicated on its mesh is
+complete on every rank and is left as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed support
+        return None
+    return DTensor
+
+
+def local_shards(tensors: Sequence[Tensor | None]) -> tuple[list[Tensor | None], list[Any]]:
+    """Each tensor's local shard (the tensor itself when it is not a ``DTensor``) and its shard group.
+
+    Returns:
+        The local tensors (aliases: in-place work on them changes the ``DTensor``) and, per tensor, the
+        process group its shards are spread over (``None``: not sharded).
+
+    Raises:
+        NotImplementedError: a tensor sharded over more than one mesh dimension.
+
+    Example:
+        >>> local_shards([torch.ones(2), None])
+        ([tensor([1., 1.]), None], [None, None])
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None or not any(isinstance(t, dtensor) for t in tensors):
+        return list(tensors), [None] * len(tensors)
+    local: list[Tensor | None] = []
+    groups: list[Any] = []
+    for tensor in tensors:
+        if tensor is None or not isinstance(tensor, dtensor):
+            local.append(tensor)
+            groups.append(None)
+            continue
+        shard: Any = tensor  # a DTensor
+        sharded = [dim for dim, placement in enumerate(shard.placements) if placement.is_shard()]
+        if len(sharded) > 1:
+            raise NotImplementedError(
+                f"A gradient sharded over {len(sharded)} mesh dimensions ({shard.placements}) is not"
+                " supported; shard each parameter over one mesh dimension (FSDP, or HSDP's shard dimension)."
+            )
+        local.append(shard.to_local())
+        groups.append(shard.device_mesh.get_group(sharded[0]) if sharded else None)
+    return local, groups
+
+
+def combine_shard_norms(norms: list[Tensor], groups: Sequence[Any], norm_type: float) -> list[Tensor]:
+    """Turn each sharded tensor's local norm into its whole norm: one all-reduce per shard group.
+
+    Computed in float64, so that p-th powers of large float32 norms cannot overflow. A ``nan`` or ``inf``
+    on one rank makes the norm non-finite on every rank.
+    """
+    import torch.distributed as dist
+
+    by_group: dict[Any, list[int]] = {}
+    for index, group in enumerate(groups):
+        if group is not None:
+            by_group.setdefault(group, []).append(index)
+    combined = list(norms)
+    for group, indices in by_group.items():
+        vector = torch.stack([norms[i].to(torch.float64) for i in indices])
+        if norm_type == math.inf:
+            dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=group)
+        else:
+            vector = vector.pow(norm_type)
+            dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
+            vector = vector.pow(1.0 / norm_type)
+        for position, index in enumerate(indices):
+            combined[index] = vector[position].to(norms[index].dtype)
+    return combined

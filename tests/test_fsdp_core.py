@@ -1,0 +1,147 @@
+"""The core under torch's own FSDP2 (``fully_shard``): two CPU processes (gloo), gradients as DTensors.
+
+Each rank accumulates its micro-batches into its gradient shards; the boundary measures local shards and
+combines the norms with one all-reduce. Oracle: the parameters after training equal a plain PyTorch run
+taking one step per window on both ranks' data as one batch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_gradacc import GradAccumulator
+
+pytestmark = pytest.mark.slow
+WORLD = 2
+K = 2
+WINDOWS = 3
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "mean": {},
+    "clip": {"max_grad_norm": 0.05},
+    "clip_parameter": {"max_grad_norm": 0.02, "clip_scope": "parameter"},
+    "clip_inf_ignore": {"max_grad_norm": 0.01, "norm_type": float("inf"), "overflow": "ignore"},
+    "weighted": {"scaling": "weighted"},
+    "nan_on_one_rank": {},
+}
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _micro_batch(rank: int, window: int, index: int, weighted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + 10 * window + index)
+    rows = 2 + (rank + window + index) % 3 if weighted else 4  # uneven counts for "weighted"
+    return torch.randn(rows, 5, generator=generator), torch.randn(rows, 3, generator=generator)
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    results: dict[str, Any] = {}
+    for name, options in SCENARIOS.items():
+        net = _net()
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+        accumulator = GradAccumulator(net.named_parameters(), K, **options)
+        weighted = options.get("scaling") == "weighted"
+        for window in range(WINDOWS):
+            for index in range(K):
+                x, y = _micro_batch(rank, window, index, weighted)
+                loss = nn.functional.mse_loss(net(x), y)
+                if name == "nan_on_one_rank" and rank == 1 and window == 1 and index == 0:
+                    loss = loss * float("nan")
+                accumulator.backward(loss, items=len(x))
+            accumulator.step(optimizer)
+        full = {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}  # collective
+        stats = accumulator.stats
+        results[name] = (
+            full,
+            stats.windows,
+            stats.skipped_steps,
+            stats.non_finite_windows,
+            stats.clipped_steps,
+        )
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def _reference(options: dict[str, Any], skip_windows: tuple[int, ...] = ()) -> tuple[dict[str, Any], int]:
+    """One step per window on both ranks' micro-batches as ONE batch (mean over every item)."""
+    net = _net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    weighted = options.get("scaling") == "weighted"
+    clipped = 0
+    for window in range(WINDOWS):
+        pairs = [_micro_batch(rank, window, index, weighted) for rank in range(WORLD) for index in range(K)]
+        x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+        optimizer.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        if window in skip_windows:
+            continue
+        max_norm = options.get("max_grad_norm")
+        if max_norm is not None:
+            norm_type = options.get("norm_type", 2.0)
+            groups = (
+                [[p] for p in net.parameters()]
+                if options.get("clip_scope") == "parameter"
+                else [list(net.parameters())]
+            )
+            norms = [torch.nn.utils.clip_grad_norm_(group, max_norm, norm_type=norm_type) for group in groups]
+            clipped += any(float(n) > max_norm for n in norms)
+        optimizer.step()
+    return {n: p.detach() for n, p in net.named_parameters()}, clipped
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = str(tmp_path_factory.mktemp("fsdp") / "results.pt")
+    mp.spawn(_worker, args=(port, out), nprocs=WORLD)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("scenario", [name for name in SCENARIOS if name != "nan_on_one_rank"])
+def test_sharded_gradients_equal_the_big_batch(fsdp_results: dict[str, Any], scenario: str) -> None:
+    full, windows, skipped, non_finite, clipped = fsdp_results[scenario]
+    expected, expected_clipped = _reference(SCENARIOS[scenario])
+    assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
+    assert (windows, skipped, non_finite) == (WINDOWS, 0, 0)
+    assert clipped == expected_clipped
+    if "max_grad_norm" in SCENARIOS[scenario]:
+        assert expected_clipped > 0  # the clipping case really clips
+
+
+def test_a_non_finite_shard_on_one_rank_skips_the_window_on_both(fsdp_results: dict[str, Any]) -> None:
+    full, windows, skipped, non_finite, _ = fsdp_results["nan_on_one_rank"]
+    expected, _ = _reference({}, skip_windows=(1,))
+    assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
+    assert (windows, skipped, non_finite) == (WINDOWS, 1, 1)
+
+
+def test_the_reference_is_not_trivially_met() -> None:
+    """Control: the per-parameter and the global clipping (and no clipping) end far apart."""
+    plain, _ = _reference({})
+    clipped, _ = _reference(SCENARIOS["clip"])
+    per_parameter, _ = _reference(SCENARIOS["clip_parameter"])
+    for other in (clipped, per_parameter):
+        assert max(float((plain[n] - other[n]).abs().max()) for n in plain) > 1e-3
