@@ -182,7 +182,10 @@ def test_deepspeed_like_strategy_is_rejected() -> None:
 def test_sharded_strategy_is_rejected() -> None:
     callback = GradientAccumulationCallback(2)
     trainer = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[callback])
-    with pytest.raises(RuntimeError, match=r"supports single-device and DDP strategies.*FSDPStrategy"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"supports single-device, DDP and ModelParallel \(FSDP2\) strategies.*FSDPStrategy",
+    ):
         callback._check_compatibility(trainer, h.RegressionModule(h.regression_data(8)))  # type: ignore[arg-type]
 
 

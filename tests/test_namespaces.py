@@ -184,7 +184,8 @@ def test_a_sharded_strategy_is_refused_with_lightning_pytorch_classes() -> None:
     `lightning.pytorch` strategy failed the check by mistake, and the guard was bypassed in a list."""
     fsdp = L.strategies.FSDPStrategy.__new__(L.strategies.FSDPStrategy)  # FSDP itself needs a GPU
     with pytest.raises(
-        RuntimeError, match="supports single-device and DDP strategies, but the Trainer uses `FSDP"
+        RuntimeError,
+        match=r"DDP and ModelParallel \(FSDP2\) strategies, but the Trainer uses `FSDP",
     ):
         lit.GradientAccumulationCallback(4)._check_compatibility(_FakeTrainer(fsdp), h.LitRegressionModule())
     ddp = L.strategies.DDPStrategy()

@@ -413,11 +413,24 @@ class GradientAccumulationLogic(_LogicBase):
                 " `gradient_accumulation_steps`). Remove `GradientAccumulationCallback` and configure"
                 " accumulation there."
             )
-        if not isinstance(strategy, (self._api.single_device_strategy, self._api.ddp_strategy)):
+        api = self._api
+        if not isinstance(
+            strategy, (api.single_device_strategy, api.ddp_strategy, api.model_parallel_strategy)
+        ):
             raise RuntimeError(
-                f"`GradientAccumulationCallback` supports single-device and DDP strategies, but the Trainer"
-                f" uses `{type(strategy).__name__}`, whose sharded gradients would give wrong norms and"
-                " scaling. Use `strategy='ddp'` or remove the callback."
+                "`GradientAccumulationCallback` supports single-device, DDP and ModelParallel (FSDP2)"
+                f" strategies, but the Trainer uses `{type(strategy).__name__}`, whose gradients it cannot"
+                " normalize and clip yet. Use `strategy='ddp'`, or"
+                " `ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)` with `fully_shard` in"
+                " `configure_model`, or remove the callback."
+            )
+        tensor_parallel = getattr(strategy, "_tensor_parallel_size", 1)
+        if isinstance(strategy, self._api.model_parallel_strategy) and tensor_parallel != 1:
+            raise RuntimeError(
+                f"`GradientAccumulationCallback` supports `ModelParallelStrategy` with data parallelism only"
+                f" (FSDP2), but `tensor_parallel_size={tensor_parallel}`: ranks of a tensor-parallel group"
+                " see the same data, which item counts summed over every rank would count twice. Use"
+                f" `ModelParallelStrategy(data_parallel_size={trainer.world_size}, tensor_parallel_size=1)`."
             )
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, self._api.gradient_accumulation_scheduler) or (

@@ -1,0 +1,99 @@
+"""Trains under ``ModelParallelStrategy`` (FSDP2 via ``fully_shard``) on 2 CPU processes with the callback.
+
+Run as a script (the strategy launches the second rank by re-running it):
+``python tests/model_parallel_run.py OUT_DIR``. Each rank writes, per scenario, the sample indices of
+every micro-batch it trained on; rank 0 also writes the full parameters and the statistics.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.strategies import ModelParallelStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gradacc import GradientAccumulationCallback
+
+K = 4
+SAMPLES = 24  # 12 per rank, micro-batches of 2: windows of 4 and 2 per epoch
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "mean": {},
+    "clip": {"max_grad_norm": 0.05},
+    "clip_parameter": {"max_grad_norm": 0.02, "clip_scope": "parameter"},
+    "nan_on_one_rank": {},
+}
+
+
+def data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(SAMPLES, 5, generator=generator), torch.randn(SAMPLES, 3, generator=generator)
+    return TensorDataset(torch.arange(SAMPLES), x, y)
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+class ShardedModule(pl.LightningModule):
+    def __init__(self, nan_on_one_rank: bool) -> None:
+        super().__init__()
+        self.net = net()
+        self.nan_on_one_rank = nan_on_one_rank
+        self.seen: list[list[int]] = []
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        index, x, y = batch
+        self.seen.append(index.tolist())
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if self.nan_on_one_rank and self.global_rank == 1 and batch_idx == 1:
+            loss = loss * float("nan")
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(data(), batch_size=2)
+
+
+def main(out: Path) -> None:
+    for name, options in SCENARIOS.items():
+        callback = GradientAccumulationCallback(K, **options)
+        module = ShardedModule(nan_on_one_rank=name == "nan_on_one_rank")
+        trainer = pl.Trainer(
+            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+            accelerator="cpu",
+            devices=2,
+            max_epochs=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            callbacks=[callback],
+        )
+        trainer.fit(module)
+        full = {n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()}  # collective
+        stats = callback.stats
+        torch.save(module.seen, out / f"{name}-seen-{trainer.global_rank}.pt")
+        if trainer.global_rank == 0:
+            counts = (stats.windows, stats.skipped_steps, stats.non_finite_windows, stats.clipped_steps)
+            torch.save((full, counts, trainer.global_step), out / f"{name}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

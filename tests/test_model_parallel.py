@@ -1,0 +1,86 @@
+"""The callback under Lightning's ``ModelParallelStrategy`` (FSDP2 via ``fully_shard``), 2 CPU processes.
+
+``tests/model_parallel_run.py`` trains (the strategy re-runs that script for its second rank) and records
+which samples every micro-batch held; the oracle takes one plain-PyTorch step per window on those samples
+of both ranks as one batch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests import model_parallel_run as run
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("model_parallel")
+    result = subprocess.run(
+        [sys.executable, str(HERE / "model_parallel_run.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=HERE.parent,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _windows(out: Path, name: str) -> list[list[int]]:
+    """The samples of each window, both ranks together (windows of K micro-batches, restarting each epoch)."""
+    per_rank = [torch.load(out / f"{name}-seen-{rank}.pt") for rank in range(2)]
+    per_epoch = len(per_rank[0]) // 2
+    windows: list[list[int]] = []
+    for epoch in range(2):
+        for start in range(0, per_epoch, run.K):
+            window = range(epoch * per_epoch + start, epoch * per_epoch + min(start + run.K, per_epoch))
+            windows.append([i for seen in per_rank for b in window for i in seen[b]])
+    return windows
+
+
+def _reference(windows: list[list[int]], options: dict[str, Any], skip: tuple[int, ...] = ()) -> dict:
+    model = run.net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    _, x, y = run.data().tensors
+    for index, rows in enumerate(windows):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        if index in skip:
+            continue
+        if "max_grad_norm" in options:
+            per_parameter = options.get("clip_scope") == "parameter"
+            for group in [[p] for p in model.parameters()] if per_parameter else [list(model.parameters())]:
+                torch.nn.utils.clip_grad_norm_(group, options["max_grad_norm"])
+        optimizer.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["mean", "clip", "clip_parameter"])
+def test_fsdp2_windows_equal_the_big_batch(trained: Path, name: str) -> None:
+    full, counts, global_step = torch.load(trained / f"{name}.pt")
+    windows = _windows(trained, name)
+    assert [len(w) for w in windows] == [16, 8, 16, 8]  # 4 and 2 micro-batches of 2 samples, 2 ranks
+    expected = _reference(windows, run.SCENARIOS[name])
+    assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
+    assert counts[:3] == (4, 0, 0) and global_step == 4
+    if name != "mean":
+        assert counts[3] > 0
+        assert max(float((expected[n] - _reference(windows, {})[n]).abs().max()) for n in expected) > 1e-3
+
+
+def test_fsdp2_a_non_finite_micro_batch_on_one_rank_skips_on_both(trained: Path) -> None:
+    full, counts, _ = torch.load(trained / "nan_on_one_rank.pt")
+    windows = _windows(trained, "nan_on_one_rank")
+    expected = _reference(windows, {}, skip=(0, 2))  # rank 1's batch 1 of each epoch was nan
+    assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
+    assert counts[:3] == (4, 2, 2)
