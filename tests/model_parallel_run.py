@@ -26,6 +26,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "clip": {"max_grad_norm": 0.05},
     "clip_parameter": {"max_grad_norm": 0.02, "clip_scope": "parameter"},
     "nan_on_one_rank": {},
+    "window_end": {"sharded_reduction": "window_end"},
+    "window_end_clip": {"sharded_reduction": "window_end", "max_grad_norm": 0.05},
 }
 
 
@@ -71,8 +73,29 @@ class ShardedModule(pl.LightningModule):
         return DataLoader(data(), batch_size=2)
 
 
+def count_reduce_scatters() -> list[int]:
+    """Counts the gradient reduce-scatters of this process (FSDP2 calls ``dist.reduce_scatter_single``, or
+    ``reduce_scatter_tensor`` in older torch)."""
+    import torch.distributed as dist
+
+    calls = [0]
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counting(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return __original(*args, **kwargs)
+
+        setattr(dist, name, counting)
+    return calls
+
+
 def main(out: Path) -> None:
+    reduce_scatters = count_reduce_scatters()
     for name, options in SCENARIOS.items():
+        reduce_scatters[0] = 0
         callback = GradientAccumulationCallback(K, **options)
         module = ShardedModule(nan_on_one_rank=name == "nan_on_one_rank")
         trainer = pl.Trainer(
@@ -92,7 +115,7 @@ def main(out: Path) -> None:
         torch.save(module.seen, out / f"{name}-seen-{trainer.global_rank}.pt")
         if trainer.global_rank == 0:
             counts = (stats.windows, stats.skipped_steps, stats.non_finite_windows, stats.clipped_steps)
-            torch.save((full, counts, trainer.global_step), out / f"{name}.pt")
+            torch.save((full, counts, trainer.global_step, reduce_scatters[0]), out / f"{name}.pt")
 
 
 if __name__ == "__main__":

@@ -104,6 +104,15 @@ def unambiguous_batch_size(batch: Any) -> int:
     return sizes.pop()
 
 
+def _fsdp2_modules(module: torch.nn.Module) -> list[Any]:
+    """The modules sharded with FSDP2's ``fully_shard`` (each sets its own gradient sync)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
 def _should_accumulate(trainer: pl.Trainer) -> bool:
     """Whether the current micro-batch does not end a window (Lightning's own, private, test)."""
     return bool(trainer.fit_loop._should_accumulate())
@@ -190,6 +199,10 @@ class GradientAccumulationLogic(_LogicBase):
             ``precision="bf16-true"``, instead of in the parameters' dtype.
         clip_mode: ``"step"`` clips the final gradient; ``"micro_batch"`` clips each micro-batch's own
             gradient to ``max_grad_norm`` before it is added (needs ``accumulation_dtype``).
+        sharded_reduction: Under ``ModelParallelStrategy`` (FSDP2): ``"every_micro_batch"`` reduce-scatters
+            each micro-batch's gradient (Lightning's behaviour: sharded memory, K times the communication);
+            ``"window_end"`` turns FSDP's gradient sync off for all but the window's last micro-batch (one
+            reduce-scatter per step; the unsharded gradients are kept across the window).
 
     Attributes:
         plan: How K is chosen, as configured (:class:`~lightning_gradacc.schedule.AccumulationPlan`); each
@@ -225,8 +238,15 @@ class GradientAccumulationLogic(_LogicBase):
         log_stats: bool = True,
         accumulation_dtype: str | None = None,
         clip_mode: Literal["step", "micro_batch"] = "step",
+        sharded_reduction: Literal["every_micro_batch", "window_end"] = "every_micro_batch",
     ) -> None:
         self.plan = AccumulationPlan(accumulation_steps, target_batch_size)
+        if sharded_reduction not in ("every_micro_batch", "window_end"):
+            raise ValueError(
+                "Expected argument `sharded_reduction` to be one of ['every_micro_batch', 'window_end'], but"
+                f" got {sharded_reduction!r}."
+            )
+        self.sharded_reduction = sharded_reduction
         self.settings = AccumulationSettings.checked(
             scaling=scaling,
             max_grad_norm=max_grad_norm,
@@ -262,6 +282,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._applied_to: weakref.ref[pl.Trainer] | None = None
         self._scaler: torch.amp.GradScaler | None = None
         self._signature: tuple[tuple[int, int], ...] = ()
+        self._fsdp_modules: list[Any] = []  # FSDP2 modules whose sync `sharded_reduction` steers
         # per micro-batch
         self._pending_items: Any = None
         self._pending_error: str | None = None
@@ -474,6 +495,12 @@ class GradientAccumulationLogic(_LogicBase):
         self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
         self._check_optimizers(trainer)
         self._build_accumulator(trainer, pl_module)
+        self._fsdp_modules = _fsdp2_modules(pl_module) if self.sharded_reduction == "window_end" else []
+        if self.sharded_reduction == "window_end" and not self._fsdp_modules:
+            self._api.rank_zero_warn(
+                "`sharded_reduction='window_end'` has no effect: no module of the LightningModule is sharded"
+                " with `fully_shard` (DDP already reduces once per window)."
+            )
         self._go_first(trainer)  # again: another callback may have moved itself in its own `setup`
 
     def _go_first(self, trainer: pl.Trainer) -> None:
@@ -651,6 +678,12 @@ class GradientAccumulationLogic(_LogicBase):
         # to be weighted in place needs a copy.
         self._pending_loss = loss.detach().clone() if weighted else loss.detach()
         count.weigh_loss(loss, in_place=True)
+        if (
+            self._fsdp_modules
+        ):  # FSDP2 syncs only the window's last backward (`sharded_reduction="window_end"`)
+            last = not _should_accumulate(trainer)
+            for module in self._fsdp_modules:
+                module.set_requires_gradient_sync(last, recurse=False)
         if (trainer.world_size > 1 or self._scaler is not None) and not _should_accumulate(trainer):
             # Buffers go back into .grad before the last backward of the window, so that DDP's one
             # all-reduce carries the whole window and the GradScaler unscales and checks all of it.
@@ -677,6 +710,13 @@ class GradientAccumulationLogic(_LogicBase):
         self._follow_param_groups(trainer, pl_module)
         # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned
         # None: the window's earlier micro-batches would be dropped. The callback steps it itself.
+        if self._fsdp_modules and not self._backward_in_batch and not accumulator.window.empty:
+            raise RuntimeError(
+                "With `sharded_reduction='window_end'` the window's gradients are reduce-scattered by its"
+                " last backward, but the batch that ends this window ran none (`training_step` returned"
+                " None): the window cannot be completed. Use `sharded_reduction='every_micro_batch'` with"
+                " such data."
+            )
         steps_itself = (
             self._scaler is not None
             and not self._backward_in_batch
@@ -771,6 +811,8 @@ class GradientAccumulationLogic(_LogicBase):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for module in self._fsdp_modules:  # FSDP's default again, for whatever runs after `fit`
+            module.set_requires_gradient_sync(True, recurse=False)
         if self._accumulator is not None and not self._accumulator.window.empty:
             self._api.rank_zero_warn(
                 f"Training ended inside a window: {self._accumulator.window.micro_batches} micro-batch(es)"
