@@ -26,9 +26,15 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "clip": {"max_grad_norm": 0.05},
     "clip_parameter": {"max_grad_norm": 0.02, "clip_scope": "parameter"},
     "nan_on_one_rank": {},
+    "weighted": {"scaling": "weighted", "item_count_fn": lambda batch: sample_weights(batch[0]).sum()},
     "window_end": {"sharded_reduction": "window_end"},
     "window_end_clip": {"sharded_reduction": "window_end", "max_grad_norm": 0.05},
 }
+
+
+def sample_weights(index: torch.Tensor) -> torch.Tensor:
+    """Items per sample for "weighted" (1-3, like tokens per sequence): micro-batches of unequal counts."""
+    return (index % 3 + 1).float()
 
 
 def data() -> TensorDataset:
@@ -42,11 +48,19 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
+def weighted_loss(prediction: torch.Tensor, target: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The mean over items: each sample's squared error counts as many times as it has items."""
+    weights = sample_weights(index)
+    per_sample = (prediction - target).pow(2).mean(dim=1)
+    return (weights * per_sample).sum() / weights.sum()
+
+
 class ShardedModule(pl.LightningModule):
-    def __init__(self, nan_on_one_rank: bool) -> None:
+    def __init__(self, nan_on_one_rank: bool, weighted: bool) -> None:
         super().__init__()
         self.net = net()
         self.nan_on_one_rank = nan_on_one_rank
+        self.weighted = weighted
         self.seen: list[list[int]] = []
 
     def configure_model(self) -> None:
@@ -61,7 +75,9 @@ class ShardedModule(pl.LightningModule):
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         index, x, y = batch
         self.seen.append(index.tolist())
-        loss = nn.functional.mse_loss(self.net(x), y)
+        loss = (
+            weighted_loss(self.net(x), y, index) if self.weighted else nn.functional.mse_loss(self.net(x), y)
+        )
         if self.nan_on_one_rank and self.global_rank == 1 and batch_idx == 1:
             loss = loss * float("nan")
         return loss
@@ -97,7 +113,7 @@ def main(out: Path) -> None:
     for name, options in SCENARIOS.items():
         reduce_scatters[0] = 0
         callback = GradientAccumulationCallback(K, **options)
-        module = ShardedModule(nan_on_one_rank=name == "nan_on_one_rank")
+        module = ShardedModule(nan_on_one_rank=name == "nan_on_one_rank", weighted=name == "weighted")
         trainer = pl.Trainer(
             strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
             accelerator="cpu",

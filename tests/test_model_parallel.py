@@ -54,7 +54,13 @@ def _reference(windows: list[list[int]], options: dict[str, Any], skip: tuple[in
     _, x, y = run.data().tensors
     for index, rows in enumerate(windows):
         optimizer.zero_grad()
-        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        samples = torch.tensor(rows)
+        loss = (
+            run.weighted_loss(model(x[rows]), y[rows], samples)
+            if options.get("scaling") == "weighted"
+            else nn.functional.mse_loss(model(x[rows]), y[rows])
+        )
+        loss.backward()
         if index in skip:
             continue
         if "max_grad_norm" in options:
@@ -65,7 +71,9 @@ def _reference(windows: list[list[int]], options: dict[str, Any], skip: tuple[in
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("name", ["mean", "clip", "clip_parameter", "window_end", "window_end_clip"])
+@pytest.mark.parametrize(
+    "name", ["mean", "clip", "clip_parameter", "weighted", "window_end", "window_end_clip"]
+)
 def test_fsdp2_windows_equal_the_big_batch(trained: Path, name: str) -> None:
     full, counts, global_step, _ = torch.load(trained / f"{name}.pt")
     windows = _windows(trained, name)
