@@ -128,6 +128,35 @@ def operators(device: str) -> list[str]:
     return lines
 
 
+def sharded(quick: bool) -> list[str]:
+    """``sharded_reduction`` modes under ModelParallelStrategy (FSDP2), each a fit of 2 CPU processes."""
+    if quick:
+        return ["Skipped in `--quick` (two 2-process fits)."]
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    lines = [
+        "| `sharded_reduction` | reduce-scatters per step | bytes reduce-scattered per step (per rank) |"
+        " peak resident memory, rank 0 / rank 1 | seconds per optimizer step |",
+        "|---|---|---|---|---|",
+    ]
+    script = Path(__file__).parent / "sharded.py"
+    with tempfile.TemporaryDirectory() as out:
+        for mode in ("every_micro_batch", "window_end"):
+            subprocess.run([sys.executable, str(script), out, mode], check=True, capture_output=True)
+            ranks = [json.loads((Path(out) / f"{mode}-{rank}.json").read_text()) for rank in (0, 1)]
+            lines.append(
+                f"| `{mode}` | {ranks[0]['reduce_scatters_per_step']:g} |"
+                f" {ranks[0]['bytes_per_step'] / 2**20:.1f} MiB |"
+                f" {ranks[0]['peak_rss'] / 2**20:.0f} / {ranks[1]['peak_rss'] / 2**20:.0f} MiB |"
+                f" {max(r['seconds_per_step'] for r in ranks):.3f} s |"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -151,6 +180,9 @@ def main() -> None:
         *syncs(args.device, args.quick),
         "\n## Operators launched by one boundary (`finalize`, small model, torch.profiler)\n",
         *operators(args.device),
+        "\n## Gradient reduction under FSDP2 (`ModelParallelStrategy`, 2 CPU processes, 4.2M parameters,"
+        " K=4)\n",
+        *sharded(args.quick),
     ]
     out = args.out or Path(__file__).parent / f"results-{args.device}{'-quick' if args.quick else ''}.md"
     out.write_text("\n".join(sections) + "\n")
