@@ -27,6 +27,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "clip_parameter": {"max_grad_norm": 0.02, "clip_scope": "parameter"},
     "nan_on_one_rank": {},
     "weighted": {"scaling": "weighted", "item_count_fn": lambda batch: sample_weights(batch[0]).sum()},
+    "buffers": {"accumulation_dtype": "float64", "max_grad_norm": 0.05},
     "window_end": {"sharded_reduction": "window_end"},
     "window_end_clip": {"sharded_reduction": "window_end", "max_grad_norm": 0.05},
 }

@@ -29,6 +29,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "clip_parameter": {"max_grad_norm": 0.02, "clip_scope": "parameter"},
     "clip_inf_ignore": {"max_grad_norm": 0.01, "norm_type": float("inf"), "overflow": "ignore"},
     "weighted": {"scaling": "weighted"},
+    "buffers": {"accumulation_dtype": "float64", "max_grad_norm": 0.05},
     "nan_on_one_rank": {},
 }
 
@@ -77,6 +78,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             stats.skipped_steps,
             stats.non_finite_windows,
             stats.clipped_steps,
+            stats.buffer_bytes,
         )
     if rank == 0:
         torch.save(results, out)
@@ -122,17 +124,20 @@ def fsdp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.parametrize("scenario", [name for name in SCENARIOS if name != "nan_on_one_rank"])
 def test_sharded_gradients_equal_the_big_batch(fsdp_results: dict[str, Any], scenario: str) -> None:
-    full, windows, skipped, non_finite, clipped = fsdp_results[scenario]
+    full, windows, skipped, non_finite, clipped, buffer_bytes = fsdp_results[scenario]
     expected, expected_clipped = _reference(SCENARIOS[scenario])
     assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
     assert (windows, skipped, non_finite) == (WINDOWS, 0, 0)
     assert clipped == expected_clipped
     if "max_grad_norm" in SCENARIOS[scenario]:
         assert expected_clipped > 0  # the clipping case really clips
+    parameters = sum(p.numel() for p in _net().parameters())
+    # float64 buffers of the local shards: 8 bytes x this rank's share (rows split over 2 ranks)
+    assert buffer_bytes == (0 if scenario != "buffers" else pytest.approx(8 * parameters / WORLD, rel=0.2))
 
 
 def test_a_non_finite_shard_on_one_rank_skips_the_window_on_both(fsdp_results: dict[str, Any]) -> None:
-    full, windows, skipped, non_finite, _ = fsdp_results["nan_on_one_rank"]
+    full, windows, skipped, non_finite, _, _ = fsdp_results["nan_on_one_rank"]
     expected, _ = _reference({}, skip_windows=(1,))
     assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
     assert (windows, skipped, non_finite) == (WINDOWS, 1, 1)

@@ -72,7 +72,7 @@ def _reference(windows: list[list[int]], options: dict[str, Any], skip: tuple[in
 
 
 @pytest.mark.parametrize(
-    "name", ["mean", "clip", "clip_parameter", "weighted", "window_end", "window_end_clip"]
+    "name", ["mean", "clip", "clip_parameter", "weighted", "buffers", "window_end", "window_end_clip"]
 )
 def test_fsdp2_windows_equal_the_big_batch(trained: Path, name: str) -> None:
     full, counts, global_step, _ = torch.load(trained / f"{name}.pt")

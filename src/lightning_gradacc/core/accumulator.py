@@ -568,7 +568,12 @@ class GradAccumulator:
             for (name, _), tensor in zip(self._named, sources, strict=True):
                 if tensor is not None and tensor.is_sparse:
                     raise TypeError(f"Sparse gradients are not supported (parameter `{name}`).")
-        local, groups = local_shards(sources)
+        if (
+            window.sums_in_buffers
+        ):  # buffers hold local shards already; the parameters say how they are spread
+            local, groups = sources, local_shards([param for _, param in self._named])[1]
+        else:
+            local, groups = local_shards(sources)
         grads = {key: [t for i in ids if (t := local[i]) is not None] for key, ids in layout.items()}
         if not any(group is not None for group in groups):
             return sources, grads, None

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .kernels import scale_
+from .shards import as_sharded_like, local_shards
 
 
 class GradBuffers:
@@ -91,7 +92,7 @@ class GradBuffers:
             multiplier: A device scalar applied to the gradients first (per-micro-batch clipping).
         """
         indices = [i for i, param in enumerate(self.params) if param.grad is not None]
-        grads = [self.params[i].grad for i in indices]
+        grads, _ = local_shards([self.params[i].grad for i in indices])  # a sharded gradient: its local shard
         if keep is not None:
             for grad in grads:  # masked_fill_ is the one in-place op that removes nan/inf; no foreach form
                 grad.masked_fill_(~keep, 0)  # type: ignore[union-attr]
@@ -105,7 +106,7 @@ class GradBuffers:
             assert grad is not None
             buffer = self._buffers[i]
             if buffer is None:
-                buffer = self._buffers[i] = torch.empty_like(self.params[i], dtype=self.dtype)
+                buffer = self._buffers[i] = torch.empty_like(grad, dtype=self.dtype)  # local: 1 / world
             (add_to if self._holds[i] else copy_to).append(buffer)
             (add_from if self._holds[i] else copy_from).append(grad)
             self._holds[i] = True
@@ -142,7 +143,7 @@ class GradBuffers:
         for i, (param, buffer) in enumerate(zip(self.params, self._buffers, strict=True)):
             if self._holds[i]:
                 assert buffer is not None
-                param.grad = buffer.to(param.dtype, copy=True)
+                param.grad = as_sharded_like(param, buffer.to(param.dtype, copy=True))
                 self._holds[i] = False
 
     def load(self, tensors: Sequence[Tensor | None]) -> None:

@@ -94,7 +94,7 @@ def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
     window = accumulator._window
     if window.empty:
         return None
-    if any(group is not None for group in local_shards([p.grad for _, p in accumulator._named])[1]):
+    if any(group is not None for group in local_shards([p for _, p in accumulator._named])[1]):
         raise NotImplementedError(
             "Saving a window of sharded (DTensor) gradients in the middle of the window is not supported yet:"
             " checkpoint at the end of a window (e.g. `ModelCheckpoint(every_n_train_steps=...)`)."

@@ -29,11 +29,13 @@ def absorb_micro_batch(accumulator: GradAccumulator, count: ItemCount) -> Tensor
         A device bool saying whether the micro-batch was kept (``None`` when nothing checks it).
     """
     assert accumulator._buffers is not None
+    settings = accumulator.settings
+    per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
     grads = [param.grad for _, param in accumulator._named if param.grad is not None]
-    if any(group is not None for group in local_shards(grads)[1]):
+    if per_micro_batch and any(group is not None for group in local_shards(grads)[1]):
         raise NotImplementedError(
-            "`accumulation_dtype` with sharded (DTensor) gradients is not supported yet: accumulate in"
-            " `.grad` (leave `accumulation_dtype` unset)."
+            "`overflow='skip_micro_batch'` and `clip_mode='micro_batch'` are not supported with sharded"
+            " (DTensor) gradients yet: a micro-batch's own norm would need its shards' norms combined."
         )
     settings, window = accumulator.settings, accumulator._window
     keep: Tensor | None = None

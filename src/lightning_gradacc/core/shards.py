@@ -84,3 +84,26 @@ def combine_shard_norms(norms: list[Tensor], groups: Sequence[Any], norm_type: f
         for position, index in enumerate(indices):
             combined[index] = vector[position].to(norms[index].dtype)
     return combined
+
+
+def as_sharded_like(param: Tensor, local: Tensor) -> Tensor:
+    """``local`` as the gradient of ``param``: a ``DTensor`` shaped and placed as ``param`` when it is one.
+
+    Accumulation buffers hold local shards; the gradient written back must be the parameter's kind.
+
+    Example:
+        >>> as_sharded_like(torch.zeros(2), torch.ones(2))
+        tensor([1., 1.])
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(param, dtensor):
+        return local
+    sharded: Any = param
+    return dtensor.from_local(  # type: ignore[attr-defined,no-any-return]
+        local,
+        sharded.device_mesh,
+        sharded.placements,
+        run_check=False,
+        shape=sharded.size(),  # uneven shards: the global shape cannot be inferred from one rank's
+        stride=sharded.stride(),
+    )
