@@ -31,18 +31,24 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "weighted": {"scaling": "weighted"},
     "buffers": {"accumulation_dtype": "float64", "max_grad_norm": 0.05},
     "nan_on_one_rank": {},
+    # an output layer of 1 unit: rank 1's shards of its weight and bias are empty
+    "narrow_inf_clip": {"max_grad_norm": 0.01, "norm_type": float("inf")},
+    "narrow_clip_value": {"clip_value": 0.01},
 }
+NARROW = {"narrow_inf_clip", "narrow_clip_value"}
 
 
-def _net() -> nn.Module:
+def _net(outputs: int = 3) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, outputs))
 
 
-def _micro_batch(rank: int, window: int, index: int, weighted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _micro_batch(
+    rank: int, window: int, index: int, weighted: bool, outputs: int = 3
+) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 * rank + 10 * window + index)
     rows = 2 + (rank + window + index) % 3 if weighted else 4  # uneven counts for "weighted"
-    return torch.randn(rows, 5, generator=generator), torch.randn(rows, 3, generator=generator)
+    return torch.randn(rows, 5, generator=generator), torch.randn(rows, outputs, generator=generator)
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -54,7 +60,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     mesh = init_device_mesh("cpu", (WORLD,))
     results: dict[str, Any] = {}
     for name, options in SCENARIOS.items():
-        net = _net()
+        outputs = 1 if name in NARROW else 3
+        net = _net(outputs)
         for layer in net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -64,7 +71,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         weighted = options.get("scaling") == "weighted"
         for window in range(WINDOWS):
             for index in range(K):
-                x, y = _micro_batch(rank, window, index, weighted)
+                x, y = _micro_batch(rank, window, index, weighted, outputs)
                 loss = nn.functional.mse_loss(net(x), y)
                 if name == "nan_on_one_rank" and rank == 1 and window == 1 and index == 0:
                     loss = loss * float("nan")
@@ -80,24 +87,56 @@ def _worker(rank: int, port: int, out: str) -> None:
             stats.clipped_steps,
             stats.buffer_bytes,
         )
+    results["stale"] = _unsynced_gradients_dropped(rank, mesh)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
 
 
-def _reference(options: dict[str, Any], skip_windows: tuple[int, ...] = ()) -> tuple[dict[str, Any], int]:
+def _unsynced_gradients_dropped(rank: int, mesh: Any) -> float:
+    """A backward with FSDP2's sync off, dropped as an abandoned window is, leaves nothing behind."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_gradacc.callback import _drop_unsynced_gradients
+
+    grads = []
+    for abandon in (False, True):
+        net = _net()
+        fully_shard(net, mesh=mesh)
+        x, y = _micro_batch(rank, 0, 0, False)
+        if abandon:
+            net.set_requires_gradient_sync(False)
+            nn.functional.mse_loss(net(x), y).mul(100).backward()
+            net.set_requires_gradient_sync(True)
+            _drop_unsynced_gradients(net)
+            net.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        grads.append([p.grad.full_tensor() for p in net.parameters()])
+    return max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))
+
+
+def _reference(
+    options: dict[str, Any], skip_windows: tuple[int, ...] = (), outputs: int = 3
+) -> tuple[dict, int]:
     """One step per window on both ranks' micro-batches as ONE batch (mean over every item)."""
-    net = _net()
+    net = _net(outputs)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
     weighted = options.get("scaling") == "weighted"
     clipped = 0
     for window in range(WINDOWS):
-        pairs = [_micro_batch(rank, window, index, weighted) for rank in range(WORLD) for index in range(K)]
+        pairs = [
+            _micro_batch(rank, window, index, weighted, outputs)
+            for rank in range(WORLD)
+            for index in range(K)
+        ]
         x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
         optimizer.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
         if window in skip_windows:
             continue
+        if options.get("clip_value") is not None:
+            clipped += any(float(p.grad.abs().max()) > options["clip_value"] for p in net.parameters())
+            torch.nn.utils.clip_grad_value_(net.parameters(), options["clip_value"])
         max_norm = options.get("max_grad_norm")
         if max_norm is not None:
             norm_type = options.get("norm_type", 2.0)
@@ -125,11 +164,11 @@ def fsdp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("scenario", [name for name in SCENARIOS if name != "nan_on_one_rank"])
 def test_sharded_gradients_equal_the_big_batch(fsdp_results: dict[str, Any], scenario: str) -> None:
     full, windows, skipped, non_finite, clipped, buffer_bytes = fsdp_results[scenario]
-    expected, expected_clipped = _reference(SCENARIOS[scenario])
+    expected, expected_clipped = _reference(SCENARIOS[scenario], outputs=1 if scenario in NARROW else 3)
     assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
     assert (windows, skipped, non_finite) == (WINDOWS, 0, 0)
     assert clipped == expected_clipped
-    if "max_grad_norm" in SCENARIOS[scenario]:
+    if "max_grad_norm" in SCENARIOS[scenario] or "clip_value" in SCENARIOS[scenario]:
         assert expected_clipped > 0  # the clipping case really clips
     parameters = sum(p.numel() for p in _net().parameters())
     # float64 buffers of the local shards: 8 bytes x this rank's share (rows split over 2 ranks)
@@ -150,3 +189,7 @@ def test_the_reference_is_not_trivially_met() -> None:
     per_parameter, _ = _reference(SCENARIOS["clip_parameter"])
     for other in (clipped, per_parameter):
         assert max(float((plain[n] - other[n]).abs().max()) for n in plain) > 1e-3
+
+
+def test_an_abandoned_unsynced_window_leaves_no_gradient_behind(fsdp_results: dict[str, Any]) -> None:
+    assert fsdp_results["stale"] == 0.0

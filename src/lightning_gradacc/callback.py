@@ -113,6 +113,17 @@ def _fsdp2_modules(module: torch.nn.Module) -> list[Any]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
+def _drop_unsynced_gradients(module: Any) -> None:
+    """Forget the gradients an FSDP2 module accumulated unsharded while its sync was off (private state)."""
+    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    for fsdp_param in getattr(group, "fsdp_params", []):
+        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+            fsdp_param.unsharded_accumulated_grad = None
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
+
+
 def _should_accumulate(trainer: pl.Trainer) -> bool:
     """Whether the current micro-batch does not end a window (Lightning's own, private, test)."""
     return bool(trainer.fit_loop._should_accumulate())
@@ -495,7 +506,16 @@ class GradientAccumulationLogic(_LogicBase):
         self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
         self._check_optimizers(trainer)
         self._build_accumulator(trainer, pl_module)
-        self._fsdp_modules = _fsdp2_modules(pl_module) if self.sharded_reduction == "window_end" else []
+        sharded = _fsdp2_modules(pl_module)
+        per_micro_batch = (
+            self.settings.overflow == "skip_micro_batch" or self.settings.clip_mode == "micro_batch"
+        )
+        if sharded and per_micro_batch:
+            raise RuntimeError(
+                "`overflow='skip_micro_batch'` and `clip_mode='micro_batch'` are not supported with sharded"
+                " (FSDP2) gradients yet: a micro-batch's own norm would need its shards' norms combined."
+            )
+        self._fsdp_modules = sharded if self.sharded_reduction == "window_end" else []
         if self.sharded_reduction == "window_end" and not self._fsdp_modules:
             self._api.rank_zero_warn(
                 "`sharded_reduction='window_end'` has no effect: no module of the LightningModule is sharded"
@@ -620,6 +640,8 @@ class GradientAccumulationLogic(_LogicBase):
             f" window (global step {trainer.global_step})."
         )
         self._accumulator.reset(set_grads_to_none=True)
+        for module in self._fsdp_modules:  # and what FSDP2 holds unsynced (`sharded_reduction="window_end"`)
+            _drop_unsynced_gradients(module)
 
     # --------------------------------------------------------------------------------- per micro-batch
 
@@ -808,11 +830,22 @@ class GradientAccumulationLogic(_LogicBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self._resume_clipping()
+        self._restore_fsdp_sync(discard=True)
+
+    def _restore_fsdp_sync(self, *, discard: bool) -> None:
+        """FSDP2's gradient sync on again after ``fit``; an abandoned window's unsynced gradients dropped.
+
+        With sync off FSDP2 keeps a window's gradients unsharded inside its parameters, where neither
+        ``zero_grad`` nor the next window would clear them: the next synced backward would add them in.
+        """
+        for module in self._fsdp_modules:
+            module.set_requires_gradient_sync(True, recurse=False)
+            if discard:
+                _drop_unsynced_gradients(module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for module in self._fsdp_modules:  # FSDP's default again, for whatever runs after `fit`
-            module.set_requires_gradient_sync(True, recurse=False)
+        self._restore_fsdp_sync(discard=self._accumulator is not None and not self._accumulator.window.empty)
         if self._accumulator is not None and not self._accumulator.window.empty:
             self._api.rank_zero_warn(
                 f"Training ended inside a window: {self._accumulator.window.micro_batches} micro-batch(es)"

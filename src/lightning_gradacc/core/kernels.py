@@ -94,6 +94,16 @@ def tensor_norms(
         if not group:
             continue
         norm_dtype = at_least_float32(group_dtype)
+        empty = [i for i, t in enumerate(group) if t.numel() == 0]
+        if empty:  # a rank's empty shard (FSDP): norm 0, which the inf-norm kernels refuse to compute
+            full = [t for t in group if t.numel()]
+            filled = tensor_norms(
+                {(group_device, group_dtype): full}, norm_type, device=device, foreach=foreach
+            )
+            zero = torch.zeros((), dtype=norm_dtype, device=device)
+            found_iter = iter(filled)
+            norms.extend(zero if i in empty else next(found_iter) for i in range(len(group)))
+            continue
         if use_foreach(foreach, group_device, group):
             found: Sequence[Tensor] = torch._foreach_norm(group, norm_type, dtype=norm_dtype)
         else:
