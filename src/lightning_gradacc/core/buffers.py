@@ -155,7 +155,7 @@ class GradBuffers:
             if tensor is None:
                 continue
             if self._buffers[i] is None:
-                self._buffers[i] = torch.empty_like(self.params[i], dtype=self.dtype)
+                self._buffers[i] = torch.empty_like(tensor, dtype=self.dtype)  # a local shard when sharded
             targets.append(self._buffers[i])  # type: ignore[arg-type]
             sources.append(tensor)
             self._holds[i] = True

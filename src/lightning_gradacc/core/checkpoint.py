@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .shards import local_shards
+from .shards import as_sharded_like, distribute_like, local_shards
 
 if TYPE_CHECKING:
     from .accumulator import GradAccumulator
@@ -94,24 +94,40 @@ def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
     window = accumulator._window
     if window.empty:
         return None
-    if any(group is not None for group in local_shards([p for _, p in accumulator._named])[1]):
+    shard_groups = local_shards([p for _, p in accumulator._named])[1]
+    in_buffers = window.sums_in_buffers
+    if (
+        any(group is not None for group in shard_groups)
+        and not in_buffers
+        and all(p.grad is None for _, p in accumulator._named)
+    ):
         raise NotImplementedError(
-            "Saving a window of sharded (DTensor) gradients in the middle of the window is not supported yet:"
-            " checkpoint at the end of a window (e.g. `ModelCheckpoint(every_n_train_steps=...)`)."
+            "This window's gradients are held unsynced inside FSDP2 (`sharded_reduction='window_end'`) and"
+            " cannot be saved in the middle of the window: checkpoint at the end of a window (e.g."
+            " `ModelCheckpoint(every_n_train_steps=...)`), or use `sharded_reduction='every_micro_batch'`."
         )
     world_size, all_reduce = accumulator._world.resolve()
 
     def summed(tensor: Tensor) -> Tensor:
         return all_reduce(tensor.clone()) if all_reduce is not None else tensor
 
-    in_buffers = window.sums_in_buffers
     sums = accumulator._buffers.window() if in_buffers and accumulator._buffers is not None else None
     tensors: dict[str, Tensor] = {}
+    sharded: list[str] = []
     for index, (name, param) in enumerate(accumulator._named):
         tensor = sums[index] if sums is not None else param.grad
         if tensor is None and not param.requires_grad:  # frozen: nothing to save (the same on every rank)
             continue
         dtype = accumulator._buffers.dtype if in_buffers and accumulator._buffers is not None else param.dtype
+        if shard_groups[index] is not None:
+            # FSDP2 reduced (averaged over ranks) every micro-batch into the shards: the window's whole
+            # gradient is gathered once here, and every rank takes its shard of it back at load
+            zeros: Any = torch.zeros_like(param, dtype=dtype)  # a DTensor like the parameter
+            local = tensor.detach() if tensor is not None else zeros.to_local()
+            whole: Any = as_sharded_like(param, local) if sums is not None or tensor is None else local
+            tensors[name] = whole.full_tensor().cpu()
+            sharded.append(name)
+            continue
         local = tensor.detach() if tensor is not None else torch.zeros_like(param, dtype=dtype)
         tensors[name] = summed(local).cpu()
     totals = window.tally.totals()
@@ -135,6 +151,7 @@ def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
         "loss_scale": window.loss_scale,
         "amp_scale": accumulator._amp_scale_value(),
         "tensors": tensors,
+        "sharded": sharded,  # whole gradients of sharded parameters: every rank takes its shard at load
     }
 
 
@@ -167,14 +184,19 @@ def load_open_window(accumulator: GradAccumulator, state: Mapping[str, Any], *, 
     accumulator.reset(set_grads_to_none=True)
     window = accumulator._window
     saved_tensors = state["tensors"]
-    saved: list[Tensor | None] = [
-        None
-        if name not in saved_tensors
-        else saved_tensors[name].to(param.device) * rescale
-        if primary
-        else torch.zeros_like(param, dtype=expected[name][1])
-        for name, param in accumulator._named
-    ]
+    sharded = set(state.get("sharded", ()))
+    saved: list[Tensor | None] = []
+    for name, param in accumulator._named:
+        if name not in saved_tensors:
+            saved.append(None)
+        elif name in sharded:  # every rank: its shard of the whole gradient
+            whole = saved_tensors[name].to(param.device) * rescale
+            shard = distribute_like(param, whole)
+            saved.append(shard.to_local() if accumulator._buffers is not None else shard)  # type: ignore[attr-defined]
+        elif primary:
+            saved.append(saved_tensors[name].to(param.device) * rescale)
+        else:
+            saved.append(torch.zeros_like(param, dtype=expected[name][1]))
     tally = window.tally
     if primary:
         tally.host_items = float(state["items"])

@@ -107,3 +107,14 @@ def as_sharded_like(param: Tensor, local: Tensor) -> Tensor:
         shape=sharded.size(),  # uneven shards: the global shape cannot be inferred from one rank's
         stride=sharded.stride(),
     )
+
+
+def distribute_like(param: Tensor, whole: Tensor) -> Tensor:
+    """This rank's shard of ``whole`` as a ``DTensor`` placed as ``param``.
+
+    No communication: every rank holds ``whole`` (loaded from the same checkpoint).
+    """
+    from torch.distributed.tensor import distribute_tensor
+
+    sharded: Any = param
+    return distribute_tensor(whole, sharded.device_mesh, sharded.placements, src_data_rank=None)
