@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `tests` importable
+
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.strategies import ModelParallelStrategy
@@ -18,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradacc import GradientAccumulationCallback
+from tests.helpers import ordered_loader
 
 K = 4
 SAMPLES = 24  # 12 per rank, micro-batches of 2: windows of 4 and 2 per epoch
@@ -109,6 +112,52 @@ def count_reduce_scatters() -> list[int]:
     return calls
 
 
+class ResumableModule(ShardedModule):
+    """Reads its rows through a loader that resumes mid-epoch, and saves a checkpoint in a window."""
+
+    def __init__(self, save_at: tuple[int, int] | None, path: Path) -> None:
+        super().__init__(nan_on_one_rank=False, weighted=False)
+        self.save_at, self.path = save_at, path
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.trainer.train_dataloader.consumed += 1  # type: ignore[union-attr]
+        return loss
+
+    def on_train_epoch_start(self) -> None:
+        self.trainer.train_dataloader.consumed = 0  # type: ignore[union-attr]
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if (self.current_epoch, batch_idx) == self.save_at:  # window 2's first micro-batch: mid-window
+            self.trainer.save_checkpoint(self.path)
+
+    def train_dataloader(self) -> DataLoader:
+        return ordered_loader(self, data(), 2, resumable=True)
+
+
+def resume(out: Path) -> None:
+    """An uninterrupted fit that saves a checkpoint inside a window, then a fit resumed from it."""
+    finals = []
+    for save_at, ckpt_path in (((0, 4), None), (None, out / "mid-window.ckpt")):
+        module = ResumableModule(save_at, out / "mid-window.ckpt")
+        trainer = pl.Trainer(
+            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+            accelerator="cpu",
+            devices=2,
+            max_epochs=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=[GradientAccumulationCallback(K, max_grad_norm=0.05)],
+        )
+        trainer.fit(module, ckpt_path=ckpt_path)
+        finals.append({n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()})
+        if trainer.global_rank == 0:
+            torch.save((finals, trainer.global_step), out / "resume.pt")
+
+
 def main(out: Path) -> None:
     reduce_scatters = count_reduce_scatters()
     for name, options in SCENARIOS.items():
@@ -133,6 +182,7 @@ def main(out: Path) -> None:
         if trainer.global_rank == 0:
             counts = (stats.windows, stats.skipped_steps, stats.non_finite_windows, stats.clipped_steps)
             torch.save((full, counts, trainer.global_step, reduce_scatters[0]), out / f"{name}.pt")
+    resume(out)
 
 
 if __name__ == "__main__":
