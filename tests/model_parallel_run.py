@@ -135,22 +135,29 @@ class ResumableModule(ShardedModule):
         return ordered_loader(self, data(), 2, resumable=True)
 
 
+def sharded_trainer(callback: pl.Callback, **options: Any) -> pl.Trainer:
+    """2 CPU processes, FSDP2 over both, 2 epochs, nothing but the callback."""
+    return pl.Trainer(
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        **options,
+    )
+
+
 def resume(out: Path) -> None:
     """An uninterrupted fit that saves a checkpoint inside a window, then a fit resumed from it."""
     finals = []
     for save_at, ckpt_path in (((0, 4), None), (None, out / "mid-window.ckpt")):
         module = ResumableModule(save_at, out / "mid-window.ckpt")
-        trainer = pl.Trainer(
-            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-            accelerator="cpu",
-            devices=2,
-            max_epochs=2,
-            logger=False,
-            enable_progress_bar=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            callbacks=[GradientAccumulationCallback(K, max_grad_norm=0.05)],
+        trainer = sharded_trainer(
+            GradientAccumulationCallback(K, max_grad_norm=0.05), use_distributed_sampler=False
         )
         trainer.fit(module, ckpt_path=ckpt_path)
         finals.append({n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()})
@@ -164,17 +171,7 @@ def main(out: Path) -> None:
         reduce_scatters[0] = 0
         callback = GradientAccumulationCallback(K, **options)
         module = ShardedModule(nan_on_one_rank=name == "nan_on_one_rank", weighted=name == "weighted")
-        trainer = pl.Trainer(
-            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-            accelerator="cpu",
-            devices=2,
-            max_epochs=2,
-            logger=False,
-            enable_progress_bar=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            callbacks=[callback],
-        )
+        trainer = sharded_trainer(callback)
         trainer.fit(module)
         full = {n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()}  # collective
         stats = callback.stats
