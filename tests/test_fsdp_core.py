@@ -43,6 +43,18 @@ def _net(outputs: int = 3) -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, outputs))
 
 
+def _sharded_net(mesh: Any, outputs: int = 3) -> nn.Module:
+    """:func:`_net` with each linear layer and the whole model sharded by FSDP2 over ``mesh``."""
+    from torch.distributed.fsdp import fully_shard
+
+    net = _net(outputs)
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
 def _micro_batch(
     rank: int, window: int, index: int, weighted: bool, outputs: int = 3
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,17 +67,12 @@ def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
     results: dict[str, Any] = {}
     for name, options in SCENARIOS.items():
         outputs = 1 if name in NARROW else 3
-        net = _net(outputs)
-        for layer in net:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(net, mesh=mesh)
+        net = _sharded_net(mesh, outputs)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
         accumulator = GradAccumulator(net.named_parameters(), K, **options)
         weighted = options.get("scaling") == "weighted"
@@ -98,13 +105,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 def _resumed_mid_window(rank: int, mesh: Any, options: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The run of ``options``, with its accumulator saved after window 1's first micro-batch and replaced by
     a new one loaded from rank 0's saved window (as every rank loads rank 0's checkpoint in Lightning)."""
-    from torch.distributed.fsdp import fully_shard
-
-    net = _net()
-    for layer in net:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+    net = _sharded_net(mesh)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
     accumulator = GradAccumulator(net.named_parameters(), K, **options)
     for window in range(WINDOWS):

@@ -700,13 +700,11 @@ class GradientAccumulationLogic(_LogicBase):
         # to be weighted in place needs a copy.
         self._pending_loss = loss.detach().clone() if weighted else loss.detach()
         count.weigh_loss(loss, in_place=True)
-        if (
-            self._fsdp_modules
-        ):  # FSDP2 syncs only the window's last backward (`sharded_reduction="window_end"`)
-            last = not _should_accumulate(trainer)
-            for module in self._fsdp_modules:
-                module.set_requires_gradient_sync(last, recurse=False)
-        if (trainer.world_size > 1 or self._scaler is not None) and not _should_accumulate(trainer):
+        synchronizing = bool(self._fsdp_modules) or trainer.world_size > 1 or self._scaler is not None
+        last = synchronizing and not _should_accumulate(trainer)  # this backward ends the window
+        for module in self._fsdp_modules:  # FSDP2 syncs only the window's last backward ("window_end")
+            module.set_requires_gradient_sync(last, recurse=False)
+        if last and (trainer.world_size > 1 or self._scaler is not None):
             # Buffers go back into .grad before the last backward of the window, so that DDP's one
             # all-reduce carries the whole window and the GradScaler unscales and checks all of it.
             accumulator.flush_to_grad()

@@ -29,7 +29,7 @@ from .boundary import Decision, Flag, Norms, apply_, both, decide, either, negat
 from .buffers import GradBuffers
 from .checkpoint import FORMAT_VERSION, READABLE_VERSIONS, load_open_window, save_open_window
 from .errors import GradientOverflowError
-from .kernels import GroupKey, combine_norms, non_finite_names, tensor_norms
+from .kernels import GroupKey, non_finite_names, tensor_norms
 from .ledger import COUNTERS, Ledger
 from .memory import WindowPeakMemory
 from .micro_batch import absorb_micro_batch
@@ -617,12 +617,8 @@ class GradAccumulator:
             )
         if not self._decides_on_host:
             per_tensor = settings.clip_scope == "parameter" and settings.max_grad_norm is not None
-            norms = Norms(
-                combine_norms(each, settings.norm_type, device=self.device),
-                each if per_tensor else None,
-                combine_norms(each_largest, math.inf, device=self.device)
-                if each_largest is not None
-                else None,
+            norms = Norms.on_device(
+                each, settings.norm_type, each_largest, device=self.device, keep_per_tensor=per_tensor
             )
             return _Measured(totals, norms, dropped, micro_clips, loss)
         # Each tensor's norm goes to the host, where they are combined: no kernel for the total.
@@ -696,8 +692,7 @@ class GradAccumulator:
         sources: list[Tensor | None],
     ) -> bool:
         """Whether the optimizer steps; raises for invalid counts or ``overflow="raise"``."""
-        decides = self._scaler is None and self.settings.overflow != "ignore"
-        flags = (live if decides else True, has_items, bad_items)
+        flags = (live if self._decides_on_host else True, has_items, bad_items)
         if any(isinstance(flag, Tensor) for flag in flags):  # counts summed over ranks, overflow ignored
             keeps_step, has_any, bad = self._ledger.sync(*(self._scalar(flag) for flag in flags))
         else:

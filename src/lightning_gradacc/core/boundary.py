@@ -34,6 +34,31 @@ class Norms:
     largest_element: Scalar | None = None  # the inf-norm, for clip_value statistics
 
     @classmethod
+    def on_device(
+        cls,
+        per_tensor: list[Tensor],
+        norm_type: float,
+        largest: list[Tensor] | None = None,
+        *,
+        device: torch.device,
+        keep_per_tensor: bool = False,
+    ) -> Norms:
+        """Norms combined on ``device`` from each tensor's norm (and each one's largest element).
+
+        Example:
+            >>> Norms.on_device([torch.tensor(3.0), torch.tensor(4.0)], 2.0, device=torch.device("cpu")).total
+            tensor(5.)
+        """
+        total = combine_norms(per_tensor, norm_type, device=device)
+        if largest is None:
+            biggest = None
+        elif largest is per_tensor and norm_type == math.inf:  # the total already is the largest element
+            biggest = total
+        else:
+            biggest = combine_norms(largest, math.inf, device=device)
+        return cls(total, per_tensor if keep_per_tensor else None, biggest)
+
+    @classmethod
     def on_host(
         cls,
         per_tensor: list[float],
@@ -128,18 +153,13 @@ def measure(
         >>> measure([torch.tensor([3.0]), torch.tensor([4.0])], 2.0, device=torch.device("cpu")).total
         tensor(5.)
     """
-    norms = tensor_norms(grads, norm_type, device=device, foreach=foreach)
-    total = combine_norms(norms, norm_type, device=device)
-    largest: Tensor | None = None
+    each = tensor_norms(grads, norm_type, device=device, foreach=foreach)
+    largest: list[Tensor] | None = None
     if largest_element:
         largest = (
-            total
-            if norm_type == math.inf
-            else combine_norms(
-                tensor_norms(grads, math.inf, device=device, foreach=foreach), math.inf, device=device
-            )
+            each if norm_type == math.inf else tensor_norms(grads, math.inf, device=device, foreach=foreach)
         )
-    return Norms(total, norms if per_tensor else None, largest)
+    return Norms.on_device(each, norm_type, largest, device=device, keep_per_tensor=per_tensor)
 
 
 def _clip_coefficient(norm: Scalar, max_norm: float) -> Scalar:

@@ -29,19 +29,16 @@ def absorb_micro_batch(accumulator: GradAccumulator, count: ItemCount) -> Tensor
         A device bool saying whether the micro-batch was kept (``None`` when nothing checks it).
     """
     assert accumulator._buffers is not None
-    settings = accumulator.settings
-    per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
-    grads = [param.grad for _, param in accumulator._named if param.grad is not None]
-    if per_micro_batch and any(group is not None for group in local_shards(grads)[1]):
-        raise NotImplementedError(
-            "`overflow='skip_micro_batch'` and `clip_mode='micro_batch'` are not supported with sharded"
-            " (DTensor) gradients yet: a micro-batch's own norm would need its shards' norms combined."
-        )
     settings, window = accumulator.settings, accumulator._window
     keep: Tensor | None = None
     multiplier: Tensor | None = None
     if settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch":
         grads = [param.grad for _, param in accumulator._named if param.grad is not None]
+        if any(group is not None for group in local_shards(grads)[1]):
+            raise NotImplementedError(
+                "`overflow='skip_micro_batch'` and `clip_mode='micro_batch'` are not supported with sharded"
+                " (DTensor) gradients yet: a micro-batch's own norm would need its shards' norms combined."
+            )
         norm = total_norm(grads, settings.norm_type, device=accumulator.device, foreach=accumulator.foreach)
         finite = torch.isfinite(norm)
         if settings.overflow == "skip_micro_batch":

@@ -8,6 +8,7 @@ complete on every rank and is left as it is.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 
+@functools.cache  # asked for every window and every buffered micro-batch
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor

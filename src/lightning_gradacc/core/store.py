@@ -122,7 +122,8 @@ class WindowGradients(Mapping[str, Tensor]):
                 "`.grad` holds a gradient not recorded yet: call `record()` after its backward first."
             )
         count = accumulator.weigh(items)
-        scale = count.weight * accumulator._gradient_scale()
+        gradient_scale = accumulator._gradient_scale()
+        scale = count.weight * gradient_scale
         with torch.no_grad():
             for position, gradient in checked:
                 param = accumulator._named[position][1]
@@ -130,7 +131,7 @@ class WindowGradients(Mapping[str, Tensor]):
                 if isinstance(contribution, Tensor) and contribution.dtype != param.dtype:
                     contribution = contribution.to(param.dtype)
                 param.grad = contribution if param.grad is None else param.grad.add_(contribution)
-        recorded = None if loss is None else loss * accumulator._gradient_scale()  # as a backward would
+        recorded = None if loss is None else loss * gradient_scale  # as a backward would
         if isinstance(recorded, Tensor):
             recorded = recorded.detach()
         accumulator.record(count, recorded)
