@@ -1,4 +1,6 @@
-"""The core under torch's own FSDP2 (``fully_shard``): two CPU processes (gloo), gradients as DTensors.
+"""The core under torch's own FSDP, on two CPU processes (gloo): FSDP2 (``fully_shard``, gradients as
+DTensors) and FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``, gradients as flat slices, ``None``
+where a rank holds none of a parameter).
 
 Each rank accumulates its micro-batches into its gradient shards; the boundary measures local shards and
 combines the norms with one all-reduce. Oracle: the parameters after training equal a plain PyTorch run
@@ -44,15 +46,39 @@ def _net(outputs: int = 3) -> nn.Module:
 
 
 def _sharded_net(mesh: Any, outputs: int = 3) -> nn.Module:
-    """:func:`_net` with each linear layer and the whole model sharded by FSDP2 over ``mesh``."""
-    from torch.distributed.fsdp import fully_shard
+    """:func:`_net` with each linear layer and the whole model sharded over ``mesh``: by FSDP2 when it is
+    a mesh, by FSDP1 (``use_orig_params=True``) when it is ``"fsdp1"``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
     net = _net(outputs)
+    if mesh == "fsdp1":
+        cpu = torch.device("cpu")
+        for index, layer in enumerate(net):
+            if isinstance(layer, nn.Linear):
+                net[index] = FullyShardedDataParallel(layer, device_id=cpu, use_orig_params=True)
+        return FullyShardedDataParallel(net, device_id=cpu, use_orig_params=True)
     for layer in net:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
     return net
+
+
+def _accumulator(net: nn.Module, mesh: Any, **options: Any) -> GradAccumulator:
+    fsdp_module = net if mesh == "fsdp1" else None
+    return GradAccumulator(net.named_parameters(), K, fsdp_module=fsdp_module, **options)
+
+
+def _full(net: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole parameters, named as in :func:`_net` (a collective)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(net, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(net):
+            return {
+                n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in net.named_parameters()
+            }
+    return {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}
 
 
 def _micro_batch(
@@ -63,18 +89,18 @@ def _micro_batch(
     return torch.randn(rows, 5, generator=generator), torch.randn(rows, outputs, generator=generator)
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, kind: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh: Any = "fsdp1" if kind == "fsdp1" else init_device_mesh("cpu", (WORLD,))
     results: dict[str, Any] = {}
     for name, options in SCENARIOS.items():
         outputs = 1 if name in NARROW else 3
         net = _sharded_net(mesh, outputs)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
-        accumulator = GradAccumulator(net.named_parameters(), K, **options)
+        accumulator = _accumulator(net, mesh, **options)
         weighted = options.get("scaling") == "weighted"
         for window in range(WINDOWS):
             for index in range(K):
@@ -84,7 +110,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                     loss = loss * float("nan")
                 accumulator.backward(loss, items=len(x))
             accumulator.step(optimizer)
-        full = {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}  # collective
+        full = _full(net)
         stats = accumulator.stats
         results[name] = (
             full,
@@ -94,7 +120,8 @@ def _worker(rank: int, port: int, out: str) -> None:
             stats.clipped_steps,
             stats.buffer_bytes,
         )
-    results["stale"] = _unsynced_gradients_dropped(rank, mesh)
+    if kind == "fsdp2":
+        results["stale"] = _unsynced_gradients_dropped(rank, mesh)
     for name in ("mean", "buffers"):
         results[f"resumed_{name}"] = _resumed_mid_window(rank, mesh, SCENARIOS[name])
     if rank == 0:
@@ -107,7 +134,7 @@ def _resumed_mid_window(rank: int, mesh: Any, options: dict[str, Any]) -> dict[s
     a new one loaded from rank 0's saved window (as every rank loads rank 0's checkpoint in Lightning)."""
     net = _sharded_net(mesh)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
-    accumulator = GradAccumulator(net.named_parameters(), K, **options)
+    accumulator = _accumulator(net, mesh, **options)
     for window in range(WINDOWS):
         for index in range(K):
             x, y = _micro_batch(rank, window, index, False)
@@ -117,10 +144,10 @@ def _resumed_mid_window(rank: int, mesh: Any, options: dict[str, Any]) -> dict[s
                 dist.broadcast_object_list(saved, src=0)
                 for param in net.parameters():
                     param.grad = None
-                accumulator = GradAccumulator(net.named_parameters(), K, **options)
+                accumulator = _accumulator(net, mesh, **options)
                 accumulator.load_window_state_dict(saved[0], primary=rank == 0)
         accumulator.step(optimizer)
-    return {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}
+    return _full(net)
 
 
 def _unsynced_gradients_dropped(rank: int, mesh: Any) -> float:
@@ -181,14 +208,16 @@ def _reference(
     return {n: p.detach() for n, p in net.named_parameters()}, clipped
 
 
-@pytest.fixture(scope="module")
-def fsdp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+@pytest.fixture(scope="module", params=["fsdp2", "fsdp1"])
+def fsdp_results(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     out = str(tmp_path_factory.mktemp("fsdp") / "results.pt")
-    mp.spawn(_worker, args=(port, out), nprocs=WORLD)
-    return torch.load(out, weights_only=True)
+    mp.spawn(_worker, args=(port, out, request.param), nprocs=WORLD)
+    results = torch.load(out, weights_only=True)
+    results["kind"] = request.param
+    return results
 
 
 @pytest.mark.parametrize("scenario", [name for name in SCENARIOS if name != "nan_on_one_rank"])
@@ -222,6 +251,8 @@ def test_the_reference_is_not_trivially_met() -> None:
 
 
 def test_an_abandoned_unsynced_window_leaves_no_gradient_behind(fsdp_results: dict[str, Any]) -> None:
+    if fsdp_results["kind"] != "fsdp2":
+        pytest.skip("FSDP2's `set_requires_gradient_sync`")
     assert fsdp_results["stale"] == 0.0
 
 

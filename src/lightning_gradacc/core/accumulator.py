@@ -33,7 +33,7 @@ from .kernels import GroupKey, non_finite_names, tensor_norms
 from .ledger import COUNTERS, Ledger
 from .memory import WindowPeakMemory
 from .micro_batch import absorb_micro_batch
-from .shards import combine_shard_norms, local_shards
+from .shards import FlatShard, combine_shard_norms, flat_shards, is_fsdp_flattened, local_shards
 from .stats import AccumulationStats
 from .store import WindowGradients
 from .tally import WindowTotals
@@ -127,6 +127,10 @@ class GradAccumulator:
             ``unscale_`` the gradients before :meth:`finalize`, and skips non-finite steps itself (the
             accumulator then counts them but neither drops gradients nor raises).
         settings: The math settings above, already checked (instead of passing them one by one).
+        fsdp_module: The model wrapped by FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``) whose
+            parameters these are: their gradients are flat slices of the whole, and their norms are combined
+            over each wrapper's shard group. Required for such parameters (FSDP2's ``DTensor`` gradients
+            describe themselves).
 
     Example:
         A complete loop with 10 micro-batches and K=4: windows of 4, 4 and a partial window of 2, each
@@ -167,6 +171,7 @@ class GradAccumulator:
         clip_mode: str = "step",
         grad_scaler: Any = None,
         settings: AccumulationSettings | None = None,
+        fsdp_module: torch.nn.Module | None = None,
     ) -> None:
         self._accumulation_steps = check_positive_int("accumulation_steps", accumulation_steps)
         given = dict(
@@ -192,6 +197,7 @@ class GradAccumulator:
                 "`overflow='skip_micro_batch'` cannot be combined with a GradScaler: the scaler must see"
                 " every overflow to lower its scale."
             )
+        self._fsdp_module = fsdp_module
         self._named = self._named_list(parameters)
         self.device = self._named[0][1].device
         dtype = settings.accumulation_dtype
@@ -232,6 +238,17 @@ class GradAccumulator:
             self._grad_groups.setdefault((param.device, param.dtype), []).append(index)
             self._buffer_groups.setdefault((param.device, dtype or param.dtype), []).append(index)
         self._index = {name: index for index, (name, _) in enumerate(self._named)}
+        known = flat_shards(self._fsdp_module) if self._fsdp_module is not None else {}
+        for name, param in self._named:
+            if is_fsdp_flattened(param) and id(param) not in known:
+                raise ValueError(
+                    f"Parameter `{name}` was flattened by `FullyShardedDataParallel` (FSDP1): its gradient is"
+                    " a slice of the whole on each rank. Pass the wrapped model as `fsdp_module=` so that its"
+                    " norms are combined over the ranks."
+                )
+        # FSDP1 only: each parameter's slice (None: not flattened, or not sharded)
+        self._flat_shards: list[FlatShard | None] = [known.get(id(param)) for _, param in self._named]
+        self._flat_sharded = any(shard is not None for shard in self._flat_shards)
 
     @staticmethod
     def _named_list(parameters: Iterable[Tensor] | Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
@@ -467,12 +484,25 @@ class GradAccumulator:
         if count.check is not None:
             window.tally.checks.append(count.check)
         to_buffers = window.new_gradients_to_buffers
+        if to_buffers and self._flat_sharded:
+            self._check_flat_gradients()
         keep = absorb_micro_batch(self, count) if to_buffers else None
         weight = count.weight if self.settings.scaling == "weighted" else None
         window.tally.add(count.items, loss, keep, weight)
         window.record_micro_batch(in_buffers=to_buffers)
         if not reevaluation:
             self._total_micro_batches += 1
+
+    def _check_flat_gradients(self) -> None:
+        """FSDP1 inside ``no_sync()`` leaves whole, unsynced gradients in ``.grad``: no slice to buffer."""
+        for (name, param), shard in zip(self._named, self._flat_shards, strict=True):
+            if shard is not None and param.grad is not None and param.grad.shape != param.shape:
+                raise RuntimeError(
+                    f"The gradient of `{name}` is whole ({tuple(param.grad.shape)}), not this rank's slice"
+                    f" ({tuple(param.shape)}): FSDP1 ran this backward inside `no_sync()`. Accumulation"
+                    " buffers need the gradient reduced every micro-batch; do not combine"
+                    " `accumulation_dtype` with `no_sync()`."
+                )
 
     def flush_to_grad(self) -> None:
         """Write the buffered window into ``.grad`` so that the next backward adds to it.
@@ -571,9 +601,15 @@ class GradAccumulator:
         if (
             window.sums_in_buffers
         ):  # buffers hold local shards already; the parameters say how they are spread
-            local, groups = sources, local_shards([param for _, param in self._named])[1]
+            local, groups = list(sources), local_shards([param for _, param in self._named])[1]
         else:
             local, groups = local_shards(sources)
+        if self._flat_sharded:  # FSDP1: a rank holding none of a parameter still takes its slot (norm 0)
+            for index, shard in enumerate(self._flat_shards):
+                if shard is not None:
+                    groups[index] = shard.group
+                    if local[index] is None:
+                        local[index] = self._named[index][1].new_zeros(0)
         grads = {key: [t for i in ids if (t := local[i]) is not None] for key, ids in layout.items()}
         if not any(group is not None for group in groups):
             return sources, grads, None

@@ -83,6 +83,13 @@ def check_window_state(
             )
 
 
+UNSYNCED = (
+    "This window's gradients are held unsynced inside {} (`sharded_reduction='window_end'`) and"
+    " cannot be saved in the middle of the window: checkpoint at the end of a window (e.g."
+    " `ModelCheckpoint(every_n_train_steps=...)`), or use `sharded_reduction='every_micro_batch'`."
+)
+
+
 def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
     """``accumulator``'s open window (its summed gradients and counters), or ``None`` between windows.
 
@@ -101,11 +108,13 @@ def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
         and not in_buffers
         and all(p.grad is None for _, p in accumulator._named)
     ):
-        raise NotImplementedError(
-            "This window's gradients are held unsynced inside FSDP2 (`sharded_reduction='window_end'`) and"
-            " cannot be saved in the middle of the window: checkpoint at the end of a window (e.g."
-            " `ModelCheckpoint(every_n_train_steps=...)`), or use `sharded_reduction='every_micro_batch'`."
-        )
+        raise NotImplementedError(UNSYNCED.format("FSDP2"))
+    flat = accumulator._flat_shards
+    if not in_buffers and any(
+        shard is not None and p.grad is not None and p.grad.shape != p.shape
+        for (_, p), shard in zip(accumulator._named, flat, strict=True)
+    ):  # FSDP1 inside `no_sync()`: whole gradients, each rank's own
+        raise NotImplementedError(UNSYNCED.format("FSDP1 (`no_sync()`)"))
     world_size, all_reduce = accumulator._world.resolve()
 
     def summed(tensor: Tensor) -> Tensor:
@@ -119,6 +128,13 @@ def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
         if tensor is None and not param.requires_grad:  # frozen: nothing to save (the same on every rank)
             continue
         dtype = accumulator._buffers.dtype if in_buffers and accumulator._buffers is not None else param.dtype
+        if flat[index] is not None:  # FSDP1: each rank's slice, put together once here
+            whole_flat = flat[index].whole(  # type: ignore[union-attr]
+                tensor.detach() if tensor is not None else None, dtype, param.device
+            )
+            tensors[name] = whole_flat.cpu()
+            sharded.append(name)
+            continue
         if shard_groups[index] is not None:
             # FSDP2 reduced (averaged over ranks) every micro-batch into the shards: the window's whole
             # gradient is gathered once here, and every rank takes its shard of it back at load
@@ -169,9 +185,13 @@ def load_open_window(accumulator: GradAccumulator, state: Mapping[str, Any], *, 
     if not accumulator._window.empty:
         raise RuntimeError("A saved window can only be loaded between windows (the open one is not empty).")
     kind = "buffers" if accumulator._buffers is not None else "grads"
+    flat = accumulator._flat_shards
     expected = {
-        name: (param.shape, accumulator._buffers.dtype if accumulator._buffers is not None else param.dtype)
-        for name, param in accumulator._named
+        name: (
+            shard.shape if shard is not None else param.shape,  # FSDP1: the whole parameter's
+            accumulator._buffers.dtype if accumulator._buffers is not None else param.dtype,
+        )
+        for (name, param), shard in zip(accumulator._named, flat, strict=True)
     }
     world_size, _ = accumulator._world.resolve()
     check_window_state(state, expected, kind, world_size)
@@ -186,9 +206,11 @@ def load_open_window(accumulator: GradAccumulator, state: Mapping[str, Any], *, 
     saved_tensors = state["tensors"]
     sharded = set(state.get("sharded", ()))
     saved: list[Tensor | None] = []
-    for name, param in accumulator._named:
+    for (name, param), piece in zip(accumulator._named, flat, strict=True):
         if name not in saved_tensors:
             saved.append(None)
+        elif name in sharded and piece is not None:  # FSDP1: every rank, its slice of the whole
+            saved.append(piece.local(saved_tensors[name].to(param.device) * rescale))
         elif name in sharded:  # every rank: its shard of the whole gradient
             whole = saved_tensors[name].to(param.device) * rescale
             shard = distribute_like(param, whole)

@@ -34,10 +34,10 @@ def absorb_micro_batch(accumulator: GradAccumulator, count: ItemCount) -> Tensor
     multiplier: Tensor | None = None
     if settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch":
         grads = [param.grad for _, param in accumulator._named if param.grad is not None]
-        if any(group is not None for group in local_shards(grads)[1]):
+        if accumulator._flat_sharded or any(group is not None for group in local_shards(grads)[1]):
             raise NotImplementedError(
                 "`overflow='skip_micro_batch'` and `clip_mode='micro_batch'` are not supported with sharded"
-                " (DTensor) gradients yet: a micro-batch's own norm would need its shards' norms combined."
+                " (FSDP) gradients yet: a micro-batch's own norm would need its shards' norms combined."
             )
         norm = total_norm(grads, settings.norm_type, device=accumulator.device, foreach=accumulator.foreach)
         finite = torch.isfinite(norm)

@@ -1,9 +1,12 @@
-"""Sharded gradients (``DTensor``, as FSDP2's ``fully_shard`` makes them): local shards and their norms.
+"""Sharded gradients: local shards and their norms.
 
+Two kinds: ``DTensor`` (FSDP2's ``fully_shard``) and flat slices (FSDP1's
+``FullyShardedDataParallel(use_orig_params=True)``).
 The boundary works on each rank's local shard in place; only the norms need the other ranks: each
 tensor's norm is combined over the ranks that hold its shards with one all-reduce of a vector (the sum of
 p-th powers, or the maximum for ``inf``), never by gathering gradients. A tensor replicated on its mesh is
-complete on every rank and is left as it is.
+complete on every rank and is left as it is. Under FSDP1 a rank may hold none of a parameter: its slot in
+the vector is then 0, so that every rank's vector lines up.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -120,3 +124,88 @@ def distribute_like(param: Tensor, whole: Tensor) -> Tensor:
 
     sharded: Any = param
     return distribute_tensor(whole, sharded.device_mesh, sharded.placements, src_data_rank=None)
+
+
+@dataclass(frozen=True)
+class FlatShard:
+    """The part of one parameter an FSDP1 rank holds: a flat slice of the whole, in place of the parameter.
+
+    Under ``FullyShardedDataParallel(use_orig_params=True)`` a parameter is a 1-D view of the elements
+    ``start`` to ``start + numel`` of the flattened whole, and so is its ``.grad`` after a synced backward.
+    ``numel`` may be 0: the rank holds none of it (its ``.grad`` is then ``None``).
+
+    Attributes:
+        group: The process group the parameter's elements are spread over (FSDP's shard group: the
+            ranks of one replica under ``HYBRID_SHARD``).
+        shape: The whole parameter's shape.
+        start: The first element held here, in the flattened whole.
+        numel: How many elements are held here.
+    """
+
+    group: Any
+    shape: torch.Size
+    start: int
+    numel: int
+
+    def whole(self, local: Tensor | None, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The whole tensor, from every rank's slice: one all-reduce over :attr:`group` (a collective).
+
+        Each element is held by exactly one rank of the group, so the sum adds zeros only: exact.
+        """
+        import torch.distributed as dist
+
+        whole = torch.zeros(self.shape.numel(), dtype=dtype, device=device)
+        if local is not None and self.numel:
+            whole[self.start : self.start + self.numel] = local.reshape(-1)
+        dist.all_reduce(whole, group=self.group)
+        return whole.view(self.shape)
+
+    def local(self, whole: Tensor) -> Tensor:
+        """This rank's slice of ``whole`` (a copy), shaped like the parameter.
+
+        Example:
+            >>> FlatShard(None, torch.Size([2, 3]), start=2, numel=3).local(torch.arange(6).view(2, 3))
+            tensor([2, 3, 4])
+        """
+        return whole.reshape(-1)[self.start : self.start + self.numel].clone()
+
+
+def flat_shards(module: torch.nn.Module) -> dict[int, FlatShard | None]:
+    """Where each parameter flattened by FSDP1 inside ``module`` lies, by the parameter's ``id``.
+
+    ``None`` for a parameter FSDP1 does not shard (``NO_SHARD``: its gradient is whole on every rank).
+    Reads FSDP1's flat-parameter metadata (``_handle``, ``_shard_param_infos``: private, stable since
+    torch 2.0; FSDP1 is frozen upstream).
+
+    Raises:
+        ValueError: a module wrapped with ``use_orig_params=False`` (the optimizer then holds flat
+            parameters that mix many tensors, which neither per-parameter clipping nor the statistics
+            can tell apart).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    shards: dict[int, FlatShard | None] = {}
+    for fsdp in FullyShardedDataParallel.fsdp_modules(module):
+        handle: Any = fsdp._handle
+        if handle is None:  # a wrapper without parameters of its own
+            continue
+        if not handle._use_orig_params:
+            raise ValueError(
+                "`FullyShardedDataParallel` with `use_orig_params=False` is not supported: its optimizer"
+                " sees flat parameters that mix many tensors. Wrap with `use_orig_params=True` (the default"
+                " of Lightning's `FSDPStrategy`)."
+            )
+        flat = handle.flat_param
+        for param, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes, strict=True):
+            if not handle.uses_sharded_strategy:
+                shards[id(param)] = None
+                continue
+            held = info.numel_in_shard if info.in_shard else 0
+            start = info.intra_param_start_idx if info.in_shard else 0
+            shards[id(param)] = FlatShard(fsdp.process_group, torch.Size(shape), int(start), int(held))
+    return shards
+
+
+def is_fsdp_flattened(param: Tensor) -> bool:
+    """Whether FSDP1 flattened ``param`` (then its ``.grad`` may be a slice: see :class:`FlatShard`)."""
+    return bool(getattr(param, "_fsdp_flattened", False))  # the mark FSDP1 sets on what it flattened
