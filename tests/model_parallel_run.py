@@ -1,12 +1,22 @@
-"""Trains under ``ModelParallelStrategy`` (FSDP2 via ``fully_shard``) on 2 CPU processes with the callback.
+"""Trains under a sharded Lightning strategy on 2 CPU processes with the callback.
 
-Run as a script (the strategy launches the second rank by re-running it):
-``python tests/model_parallel_run.py OUT_DIR``. Each rank writes, per scenario, the sample indices of
-every micro-batch it trained on; rank 0 also writes the full parameters and the statistics.
+``python tests/model_parallel_run.py OUT_DIR [model_parallel|fsdp|fsdp_cuda]`` (the strategy launches the
+second rank by re-running the script): ``ModelParallelStrategy`` with FSDP2's ``fully_shard`` in
+``configure_model``; ``FSDPStrategy`` (FSDP1, ``use_orig_params=True``) on CPU with the layers wrapped in
+``configure_model``; or ``FSDPStrategy(auto_wrap_policy={nn.Linear})`` on 2 GPUs, as users run it.
+Lightning refuses ``FSDPStrategy`` on CPU by its exact type (``accelerator_connector.py``: "requires a GPU
+accelerator"), so :class:`CPUFSDPStrategy` is Lightning's class under another name; and FSDP1 itself needs
+``device_id=cpu`` on CPU, which Lightning's auto-wrapping does not pass, so the module wraps itself
+(Lightning then keeps the wrapping). On CPU only sharded checkpoints are saved: FSDP1's full state dict
+(``offload_to_cpu=True``, as Lightning asks for it) crashes the process with CPU tensors (torch 2.13).
+
+Each rank writes, per scenario, the sample indices of every micro-batch it trained on; rank 0 also writes
+the full parameters and the statistics.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,13 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import ModelParallelStrategy
+from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests.helpers import ordered_loader
 
+STRATEGY = sys.argv[2] if len(sys.argv) > 2 else "model_parallel"  # the same in the re-run second rank
 K = 4
 SAMPLES = 24  # 12 per rank, micro-batches of 2: windows of 4 and 2 per epoch
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -68,8 +79,21 @@ class ShardedModule(pl.LightningModule):
         self.seen: list[list[int]] = []
 
     def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
+        if STRATEGY == "fsdp_cuda":
+            return  # the strategy's auto-wrap policy shards the layers
+        if STRATEGY == "fsdp":
+            if isinstance(self.net, FullyShardedDataParallel):
+                return
+            wrap: Any = functools.partial(
+                FullyShardedDataParallel, device_id=torch.device("cpu"), use_orig_params=True
+            )
+            for index, layer in enumerate(self.net):
+                if isinstance(layer, nn.Linear):
+                    self.net[index] = wrap(layer)
+            self.net = wrap(self.net)
+            return
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
             if isinstance(layer, nn.Linear):
@@ -91,6 +115,23 @@ class ShardedModule(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(data(), batch_size=2)
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy``; only the type differs, which the CPU refusal checks exactly."""
+
+
+def full_parameters(module: pl.LightningModule) -> dict[str, torch.Tensor]:
+    """The whole parameters of ``module.net``, named as in :func:`net` (a collective)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if STRATEGY.startswith("fsdp"):
+        with FullyShardedDataParallel.summon_full_params(module.trainer.model):
+            return {
+                n.replace("_fsdp_wrapped_module.", ""): p.detach().cpu().clone()
+                for n, p in module.net.named_parameters()
+            }
+    return {n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()}
 
 
 def count_reduce_scatters() -> list[int]:
@@ -127,6 +168,10 @@ class ResumableModule(ShardedModule):
     def on_train_epoch_start(self) -> None:
         self.trainer.train_dataloader.consumed = 0  # type: ignore[union-attr]
 
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # with momentum: Lightning's FSDP cannot load a sharded optimizer state that is empty (plain SGD)
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.5)
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if (self.current_epoch, batch_idx) == self.save_at:  # window 2's first micro-batch: mid-window
             self.trainer.save_checkpoint(self.path)
@@ -135,11 +180,16 @@ class ResumableModule(ShardedModule):
         return ordered_loader(self, data(), 2, resumable=True)
 
 
-def sharded_trainer(callback: pl.Callback, **options: Any) -> pl.Trainer:
-    """2 CPU processes, FSDP2 over both, 2 epochs, nothing but the callback."""
+def sharded_trainer(callback: pl.Callback, state_dict_type: str = "sharded", **options: Any) -> pl.Trainer:
+    """2 CPU processes, sharded over both, 2 epochs, nothing but the callback."""
+    strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    if STRATEGY == "fsdp":
+        strategy = CPUFSDPStrategy(state_dict_type=state_dict_type)
+    elif STRATEGY == "fsdp_cuda":
+        strategy = FSDPStrategy(state_dict_type=state_dict_type, auto_wrap_policy={nn.Linear})
     return pl.Trainer(
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-        accelerator="cpu",
+        strategy=strategy,
+        accelerator="cuda" if STRATEGY == "fsdp_cuda" else "cpu",
         devices=2,
         max_epochs=2,
         logger=False,
@@ -151,18 +201,21 @@ def sharded_trainer(callback: pl.Callback, **options: Any) -> pl.Trainer:
     )
 
 
-def resume(out: Path) -> None:
+def resume(out: Path, state_dict_type: str) -> None:
     """An uninterrupted fit that saves a checkpoint inside a window, then a fit resumed from it."""
     finals = []
-    for save_at, ckpt_path in (((0, 4), None), (None, out / "mid-window.ckpt")):
-        module = ResumableModule(save_at, out / "mid-window.ckpt")
+    path = out / f"mid-window-{state_dict_type}.ckpt"
+    for save_at, ckpt_path in (((0, 4), None), (None, path)):
+        module = ResumableModule(save_at, path)
         trainer = sharded_trainer(
-            GradientAccumulationCallback(K, max_grad_norm=0.05), use_distributed_sampler=False
+            GradientAccumulationCallback(K, max_grad_norm=0.05),
+            state_dict_type=state_dict_type,
+            use_distributed_sampler=False,
         )
         trainer.fit(module, ckpt_path=ckpt_path)
-        finals.append({n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()})
+        finals.append(full_parameters(module))
         if trainer.global_rank == 0:
-            torch.save((finals, trainer.global_step), out / "resume.pt")
+            torch.save((finals, trainer.global_step), out / f"resume-{state_dict_type}.pt")
 
 
 def main(out: Path) -> None:
@@ -173,13 +226,22 @@ def main(out: Path) -> None:
         module = ShardedModule(nan_on_one_rank=name == "nan_on_one_rank", weighted=name == "weighted")
         trainer = sharded_trainer(callback)
         trainer.fit(module)
-        full = {n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()}  # collective
+        full = full_parameters(module)
         stats = callback.stats
         torch.save(module.seen, out / f"{name}-seen-{trainer.global_rank}.pt")
         if trainer.global_rank == 0:
             counts = (stats.windows, stats.skipped_steps, stats.non_finite_windows, stats.clipped_steps)
             torch.save((full, counts, trainer.global_step, reduce_scatters[0]), out / f"{name}.pt")
-    resume(out)
+    if STRATEGY != "model_parallel":  # FSDP1 keeps no_sync gradients whole: no slice for buffers
+        callback = GradientAccumulationCallback(
+            K, accumulation_dtype="float64", sharded_reduction="window_end"
+        )
+        try:
+            sharded_trainer(callback).fit(ShardedModule(nan_on_one_rank=False, weighted=False))
+        except RuntimeError as error:
+            (out / f"refused-{trainer.global_rank}.txt").write_text(str(error))
+    for state_dict_type in ("sharded", "full") if STRATEGY == "fsdp_cuda" else ("sharded",):
+        resume(out, state_dict_type)
 
 
 if __name__ == "__main__":

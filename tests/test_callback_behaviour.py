@@ -179,14 +179,33 @@ def test_deepspeed_like_strategy_is_rejected() -> None:
         callback._check_compatibility(trainer, h.RegressionModule(h.regression_data(8)))  # type: ignore[arg-type]
 
 
-def test_sharded_strategy_is_rejected() -> None:
+def _third_party_strategy(base: type) -> Any:
+    """A strategy of another package (e.g. lightning-hivemind's), built without its dependencies."""
+    strategy = type("HivemindStrategy", (base,), {})
+    strategy.__abstractmethods__ = frozenset()  # type: ignore[attr-defined]
+    return strategy.__new__(strategy)
+
+
+def test_an_unsupported_strategy_is_rejected() -> None:
+    from pytorch_lightning.strategies import Strategy
+
     callback = GradientAccumulationCallback(2)
-    trainer = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[callback])
+    trainer = SimpleNamespace(strategy=_third_party_strategy(Strategy), callbacks=[callback])
     with pytest.raises(
         RuntimeError,
-        match=r"supports single-device, DDP and ModelParallel \(FSDP2\) strategies.*FSDPStrategy",
+        match=r"supports single-device, DDP, FSDP and ModelParallel \(FSDP2\) strategies.*HivemindStrategy",
     ):
         callback._check_compatibility(trainer, h.RegressionModule(h.regression_data(8)))  # type: ignore[arg-type]
+
+
+def test_fsdp_is_accepted_with_original_parameters_only() -> None:
+    callback = GradientAccumulationCallback(2)
+    module = h.RegressionModule(h.regression_data(8))
+    trainer = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[callback])
+    callback._check_compatibility(trainer, module)  # type: ignore[arg-type]
+    trainer = SimpleNamespace(strategy=FSDPStrategy(use_orig_params=False), callbacks=[callback])
+    with pytest.raises(RuntimeError, match=r"needs `FSDPStrategy\(use_orig_params=True\)`.*flat parameters"):
+        callback._check_compatibility(trainer, module)  # type: ignore[arg-type]
 
 
 def test_double_clipping_warns() -> None:

@@ -120,8 +120,9 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
             stats.clipped_steps,
             stats.buffer_bytes,
         )
-    if kind == "fsdp2":
-        results["stale"] = _unsynced_gradients_dropped(rank, mesh)
+    results["stale"] = _unsynced_gradients_dropped(rank, mesh)
+    if kind == "fsdp1":
+        results["no_sync_buffers"] = _buffers_inside_no_sync(rank, mesh)
     for name in ("mean", "buffers"):
         results[f"resumed_{name}"] = _resumed_mid_window(rank, mesh, SCENARIOS[name])
     if rank == 0:
@@ -150,13 +151,40 @@ def _resumed_mid_window(rank: int, mesh: Any, options: dict[str, Any]) -> dict[s
     return _full(net)
 
 
-def _unsynced_gradients_dropped(rank: int, mesh: Any) -> float:
-    """A backward with FSDP2's sync off, dropped as an abandoned window is, leaves nothing behind."""
-    from torch.distributed.fsdp import fully_shard
+def _buffers_inside_no_sync(rank: int, mesh: Any) -> str:
+    """FSDP1 inside ``no_sync()`` leaves whole gradients: buffers of slices refuse them by name."""
+    net = _sharded_net(mesh)
+    accumulator = _accumulator(net, mesh, accumulation_dtype="float64")
+    x, y = _micro_batch(rank, 0, 0, False)
+    with net.no_sync():
+        loss = nn.functional.mse_loss(net(x), y)
+        try:
+            accumulator.backward(loss, items=len(x))
+        except RuntimeError as error:
+            return str(error)
+    return "no error"
 
-    from lightning_gradacc.callback import _drop_unsynced_gradients
+
+def _unsynced_gradients_dropped(rank: int, mesh: Any) -> float:
+    """A backward with FSDP's sync off, dropped as an abandoned window is, leaves nothing behind."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    from lightning_gradacc.sharded_sync import drop_unsynced_fsdp2
 
     grads = []
+    if mesh == "fsdp1":
+        for abandon in (False, True):
+            net = _sharded_net(mesh)
+            x, y = _micro_batch(rank, 0, 0, False)
+            if abandon:
+                with net.no_sync():
+                    nn.functional.mse_loss(net(x), y).mul(100).backward()
+                GradAccumulator(net.parameters(), fsdp_module=net).reset()  # as a discarded window
+
+            nn.functional.mse_loss(net(x), y).backward()
+            with FullyShardedDataParallel.summon_full_params(net, with_grads=True):
+                grads.append([p.grad.clone() for p in net.parameters()])
+        return max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))
     for abandon in (False, True):
         net = _net()
         fully_shard(net, mesh=mesh)
@@ -165,7 +193,7 @@ def _unsynced_gradients_dropped(rank: int, mesh: Any) -> float:
             net.set_requires_gradient_sync(False)
             nn.functional.mse_loss(net(x), y).mul(100).backward()
             net.set_requires_gradient_sync(True)
-            _drop_unsynced_gradients(net)
+            drop_unsynced_fsdp2(net)
             net.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
         grads.append([p.grad.full_tensor() for p in net.parameters()])
@@ -251,8 +279,6 @@ def test_the_reference_is_not_trivially_met() -> None:
 
 
 def test_an_abandoned_unsynced_window_leaves_no_gradient_behind(fsdp_results: dict[str, Any]) -> None:
-    if fsdp_results["kind"] != "fsdp2":
-        pytest.skip("FSDP2's `set_requires_gradient_sync`")
     assert fsdp_results["stale"] == 0.0
 
 
@@ -261,3 +287,9 @@ def test_a_window_saved_in_the_middle_resumes_exactly(fsdp_results: dict[str, An
     uninterrupted = fsdp_results[name][0]
     resumed = fsdp_results[f"resumed_{name}"]
     assert max(float((resumed[n] - uninterrupted[n]).abs().max()) for n in uninterrupted) < 1e-6
+
+
+def test_fsdp1_buffers_refuse_whole_gradients_from_no_sync(fsdp_results: dict[str, Any]) -> None:
+    if fsdp_results["kind"] != "fsdp1":
+        pytest.skip("FSDP1's `no_sync()`")
+    assert "is whole ((8, 5)), not this rank's slice ((24,))" in fsdp_results["no_sync_buffers"]

@@ -1,4 +1,5 @@
-"""The callback under Lightning's ``ModelParallelStrategy`` (FSDP2 via ``fully_shard``), 2 CPU processes.
+"""The callback under Lightning's sharded strategies, 2 CPU processes: ``ModelParallelStrategy`` (FSDP2 via
+``fully_shard``) and ``FSDPStrategy`` (FSDP1).
 
 ``tests/model_parallel_run.py`` trains (the strategy re-runs that script for its second rank) and records
 which samples every micro-batch held; the oracle takes one plain-PyTorch step per window on those samples
@@ -22,11 +23,24 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("model_parallel")
+@pytest.fixture(
+    scope="module",
+    params=[
+        "model_parallel",
+        "fsdp",
+        pytest.param(
+            "fsdp_cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(torch.cuda.device_count() < 2, reason="Lightning's FSDP on 2 GPUs"),
+            ],
+        ),
+    ],
+)
+def trained(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    out = tmp_path_factory.mktemp(request.param)
     result = subprocess.run(
-        [sys.executable, str(HERE / "model_parallel_run.py"), str(out)],
+        [sys.executable, str(HERE / "model_parallel_run.py"), str(out), request.param],
         capture_output=True,
         text=True,
         timeout=600,
@@ -74,7 +88,7 @@ def _reference(windows: list[list[int]], options: dict[str, Any], skip: tuple[in
 @pytest.mark.parametrize(
     "name", ["mean", "clip", "clip_parameter", "weighted", "buffers", "window_end", "window_end_clip"]
 )
-def test_fsdp2_windows_equal_the_big_batch(trained: Path, name: str) -> None:
+def test_sharded_windows_equal_the_big_batch(trained: Path, name: str) -> None:
     full, counts, global_step, _ = torch.load(trained / f"{name}.pt")
     windows = _windows(trained, name)
     assert [len(w) for w in windows] == [16, 8, 16, 8]  # 4 and 2 micro-batches of 2 samples, 2 ranks
@@ -86,7 +100,7 @@ def test_fsdp2_windows_equal_the_big_batch(trained: Path, name: str) -> None:
         assert max(float((expected[n] - _reference(windows, {})[n]).abs().max()) for n in expected) > 1e-3
 
 
-def test_fsdp2_a_non_finite_micro_batch_on_one_rank_skips_on_both(trained: Path) -> None:
+def test_a_non_finite_micro_batch_on_one_rank_skips_on_both(trained: Path) -> None:
     full, counts, _, _ = torch.load(trained / "nan_on_one_rank.pt")
     windows = _windows(trained, "nan_on_one_rank")
     expected = _reference(windows, {}, skip=(0, 2))  # rank 1's batch 1 of each epoch was nan
@@ -103,13 +117,27 @@ def test_window_end_reduces_once_per_window(trained: Path) -> None:
     assert every == 3 * once  # 12 backwards against 4
 
 
-def test_fsdp2_resume_from_a_checkpoint_inside_a_window_is_exact(trained: Path) -> None:
-    """A Lightning checkpoint (distributed: one shard file per rank plus rank 0's metadata) saved after
-    window 2's first micro-batch holds the open window; the fit resumed from it ends where the
-    uninterrupted one did (without the window restored it ends 1e-2 away)."""
-    meta = torch.load(trained / "mid-window.ckpt" / "meta.pt", weights_only=False)
-    state = next(v for k, v in meta["callbacks"].items() if "GradientAccumulation" in k)
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_resume_from_a_checkpoint_inside_a_window_is_exact(trained: Path, state_dict_type: str) -> None:
+    """A Lightning checkpoint saved after window 2's first micro-batch holds the open window; the fit resumed
+    from it ends where the uninterrupted one did (without the window restored it ends 1e-2 away).
+    "sharded": a distributed checkpoint (one shard file per rank plus rank 0's metadata, which holds the
+    callback's state); "full": one file (FSDPStrategy's default)."""
+    path = trained / f"mid-window-{state_dict_type}.ckpt"
+    if not path.exists():
+        assert state_dict_type == "full" and not trained.name.startswith("fsdp_cuda")
+        pytest.skip("full checkpoints: Lightning's FSDP on GPUs (ModelParallelStrategy saves sharded ones)")
+    checkpoint = torch.load(path / "meta.pt" if path.is_dir() else path, weights_only=False)
+    state = next(v for k, v in checkpoint["callbacks"].items() if "GradientAccumulation" in k)
     assert state["window"]["micro_batches"] == 1 and len(state["window"]["sharded"]) == 4
-    (uninterrupted, resumed), global_step = torch.load(trained / "resume.pt")
+    (uninterrupted, resumed), global_step = torch.load(trained / f"resume-{state_dict_type}.pt")
     assert global_step == 4
     assert max(float((resumed[n] - uninterrupted[n]).abs().max()) for n in uninterrupted) < 1e-6
+
+
+def test_fsdp1_refuses_buffers_with_window_end_reduction(trained: Path) -> None:
+    if trained.name.startswith("model_parallel"):
+        pytest.skip("FSDP2 keeps unsynced gradients inside itself: buffers see none")
+    for rank in range(2):
+        message = (trained / f"refused-{rank}.txt").read_text()
+        assert "`accumulation_dtype` cannot be combined with `sharded_reduction='window_end'`" in message

@@ -182,14 +182,19 @@ def test_lightnings_own_scheduler_is_refused_in_either_namespace(ns: str) -> Non
 def test_a_sharded_strategy_is_refused_with_lightning_pytorch_classes() -> None:
     """The strategy check compares against the Trainer's own namespace: with `pytorch_lightning` classes every
     `lightning.pytorch` strategy failed the check by mistake, and the guard was bypassed in a list."""
-    fsdp = L.strategies.FSDPStrategy.__new__(L.strategies.FSDPStrategy)  # FSDP itself needs a GPU
+    other = type("HivemindStrategy", (L.strategies.Strategy,), {})  # another package's strategy
+    other.__abstractmethods__ = frozenset()  # type: ignore[attr-defined]
     with pytest.raises(
         RuntimeError,
-        match=r"DDP and ModelParallel \(FSDP2\) strategies, but the Trainer uses `FSDP",
+        match=r"DDP, FSDP and ModelParallel \(FSDP2\) strategies, but the Trainer uses `Hivemind",
     ):
-        lit.GradientAccumulationCallback(4)._check_compatibility(_FakeTrainer(fsdp), h.LitRegressionModule())
-    ddp = L.strategies.DDPStrategy()
-    lit.GradientAccumulationCallback(4)._check_compatibility(_FakeTrainer(ddp), h.LitRegressionModule())
+        lit.GradientAccumulationCallback(4)._check_compatibility(
+            _FakeTrainer(other.__new__(other)), h.LitRegressionModule()
+        )
+    for accepted in (L.strategies.DDPStrategy(), L.strategies.FSDPStrategy()):
+        lit.GradientAccumulationCallback(4)._check_compatibility(
+            _FakeTrainer(accepted), h.LitRegressionModule()
+        )
 
 
 class _FakeTrainer:

@@ -27,6 +27,7 @@ from .core.validation import AccumulationSettings
 from .core.weighting import ItemCount
 from .namespaces import CALLBACK_IMPORTS, PYTORCH_LIGHTNING, LightningNamespace, namespace, namespace_of
 from .schedule import AccumulationPlan
+from .sharded_sync import ShardedSync, fsdp1_roots
 from .stats import AccumulationStats
 
 # Type-checked against pytorch_lightning's Callback (both namespaces have the same hooks); a plain mixin at
@@ -102,26 +103,6 @@ def unambiguous_batch_size(batch: Any) -> int:
     if len(sizes) > 1:
         raise ValueError(f"its tensors disagree on the first dimension ({sorted(sizes)})")
     return sizes.pop()
-
-
-def _fsdp2_modules(module: torch.nn.Module) -> list[Any]:
-    """The modules sharded with FSDP2's ``fully_shard`` (each sets its own gradient sync)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return []
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
-
-
-def _drop_unsynced_gradients(module: Any) -> None:
-    """Forget the gradients an FSDP2 module accumulated unsharded while its sync was off (private state)."""
-    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-    for fsdp_param in getattr(group, "fsdp_params", []):
-        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
-            fsdp_param.unsharded_accumulated_grad = None
-        unsharded = getattr(fsdp_param, "_unsharded_param", None)
-        if unsharded is not None:
-            unsharded.grad = None
 
 
 def _should_accumulate(trainer: pl.Trainer) -> bool:
@@ -293,7 +274,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._applied_to: weakref.ref[pl.Trainer] | None = None
         self._scaler: torch.amp.GradScaler | None = None
         self._signature: tuple[tuple[int, int], ...] = ()
-        self._fsdp_modules: list[Any] = []  # FSDP2 modules whose sync `sharded_reduction` steers
+        self._sync = ShardedSync(torch.nn.Module(), window_end=False)  # when FSDP reduces: set at train start
         # per micro-batch
         self._pending_items: Any = None
         self._pending_error: str | None = None
@@ -446,15 +427,28 @@ class GradientAccumulationLogic(_LogicBase):
                 " accumulation there."
             )
         api = self._api
-        if not isinstance(
-            strategy, (api.single_device_strategy, api.ddp_strategy, api.model_parallel_strategy)
-        ):
+        supported = (
+            api.single_device_strategy,
+            api.ddp_strategy,
+            api.fsdp_strategy,
+            api.model_parallel_strategy,
+        )
+        if not isinstance(strategy, supported):
             raise RuntimeError(
-                "`GradientAccumulationCallback` supports single-device, DDP and ModelParallel (FSDP2)"
+                "`GradientAccumulationCallback` supports single-device, DDP, FSDP and ModelParallel (FSDP2)"
                 f" strategies, but the Trainer uses `{type(strategy).__name__}`, whose gradients it cannot"
-                " normalize and clip yet. Use `strategy='ddp'`, or"
+                " normalize and clip yet. Use `strategy='ddp'` or `strategy='fsdp'`, or"
                 " `ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)` with `fully_shard` in"
                 " `configure_model`, or remove the callback."
+            )
+        if isinstance(strategy, api.fsdp_strategy) and not getattr(strategy, "kwargs", {}).get(
+            "use_orig_params", True
+        ):
+            raise RuntimeError(
+                "`GradientAccumulationCallback` needs `FSDPStrategy(use_orig_params=True)` (Lightning's"
+                " default), but `use_orig_params=False` was passed: the optimizer then holds flat parameters"
+                " that mix many tensors, which neither per-parameter clipping nor the statistics can tell"
+                " apart."
             )
         tensor_parallel = getattr(strategy, "_tensor_parallel_size", 1)
         if isinstance(strategy, self._api.model_parallel_strategy) and tensor_parallel != 1:
@@ -506,20 +500,27 @@ class GradientAccumulationLogic(_LogicBase):
         self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
         self._check_optimizers(trainer)
         self._build_accumulator(trainer, pl_module)
-        sharded = _fsdp2_modules(pl_module)
+        assert trainer.model is not None
+        self._sync = sync = ShardedSync(trainer.model, window_end=self.sharded_reduction == "window_end")
         per_micro_batch = (
             self.settings.overflow == "skip_micro_batch" or self.settings.clip_mode == "micro_batch"
         )
-        if sharded and per_micro_batch:
+        if sync.sharded and per_micro_batch:
             raise RuntimeError(
                 "`overflow='skip_micro_batch'` and `clip_mode='micro_batch'` are not supported with sharded"
-                " (FSDP2) gradients yet: a micro-batch's own norm would need its shards' norms combined."
+                " (FSDP) gradients yet: a micro-batch's own norm would need its shards' norms combined."
             )
-        self._fsdp_modules = sharded if self.sharded_reduction == "window_end" else []
-        if self.sharded_reduction == "window_end" and not self._fsdp_modules:
+        if sync.defers and sync.fsdp1 and self.settings.accumulation_dtype is not None:
+            raise RuntimeError(
+                "`accumulation_dtype` cannot be combined with `sharded_reduction='window_end'` under"
+                " `FSDPStrategy`: inside `no_sync()` FSDP accumulates the window's whole gradients in its own"
+                " storage (the parameters' dtype), so there is no slice to buffer. Use"
+                " `sharded_reduction='every_micro_batch'` with buffers."
+            )
+        if self.sharded_reduction == "window_end" and not sync.sharded:
             self._api.rank_zero_warn(
                 "`sharded_reduction='window_end'` has no effect: no module of the LightningModule is sharded"
-                " with `fully_shard` (DDP already reduces once per window)."
+                " by FSDP (DDP already reduces once per window)."
             )
         self._go_first(trainer)  # again: another callback may have moved itself in its own `setup`
 
@@ -579,12 +580,14 @@ class GradientAccumulationLogic(_LogicBase):
         k = trainer.accumulate_grad_batches
         world_size = trainer.world_size
         previous = self._accumulator
+        model = trainer.model
         accumulator = GradAccumulator(  # all-reduces on the default group, as Lightning's DDP does, but
             _optimized_parameters(trainer, pl_module),  # without `strategy.reduce`'s barrier before each
             k,
             world_size=world_size,
             settings=self.settings,
             grad_scaler=self._scaler,
+            fsdp_module=model if model is not None and fsdp1_roots(model) else None,  # FSDP1: flat slices
         )
         accumulator.loss_scale = 1.0 / k  # Lightning divides every loss by K
         self._signature = _param_groups_signature(trainer)
@@ -640,8 +643,7 @@ class GradientAccumulationLogic(_LogicBase):
             f" window (global step {trainer.global_step})."
         )
         self._accumulator.reset(set_grads_to_none=True)
-        for module in self._fsdp_modules:  # and what FSDP2 holds unsynced (`sharded_reduction="window_end"`)
-            _drop_unsynced_gradients(module)
+        self._sync.drop_unsynced()  # and what FSDP holds unsynced (`sharded_reduction="window_end"`)
 
     # --------------------------------------------------------------------------------- per micro-batch
 
@@ -700,10 +702,9 @@ class GradientAccumulationLogic(_LogicBase):
         # to be weighted in place needs a copy.
         self._pending_loss = loss.detach().clone() if weighted else loss.detach()
         count.weigh_loss(loss, in_place=True)
-        synchronizing = bool(self._fsdp_modules) or trainer.world_size > 1 or self._scaler is not None
+        synchronizing = self._sync.defers or trainer.world_size > 1 or self._scaler is not None
         last = synchronizing and not _should_accumulate(trainer)  # this backward ends the window
-        for module in self._fsdp_modules:  # FSDP2 syncs only the window's last backward ("window_end")
-            module.set_requires_gradient_sync(last, recurse=False)
+        self._sync.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
         if last and (trainer.world_size > 1 or self._scaler is not None):
             # Buffers go back into .grad before the last backward of the window, so that DDP's one
             # all-reduce carries the whole window and the GradScaler unscales and checks all of it.
@@ -712,6 +713,7 @@ class GradientAccumulationLogic(_LogicBase):
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._accumulator is not None
+        self._sync.after_backward()
         self._follow_param_groups(trainer, pl_module)
         self._accumulator.record(
             self._pending_count, self._pending_loss, reevaluation=self._finalized_in_batch
@@ -730,7 +732,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._follow_param_groups(trainer, pl_module)
         # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned
         # None: the window's earlier micro-batches would be dropped. The callback steps it itself.
-        if self._fsdp_modules and not self._backward_in_batch and not accumulator.window.empty:
+        if self._sync.defers and not self._backward_in_batch and not accumulator.window.empty:
             raise RuntimeError(
                 "With `sharded_reduction='window_end'` the window's gradients are reduce-scattered by its"
                 " last backward, but the batch that ends this window ran none (`training_step` returned"
@@ -828,22 +830,13 @@ class GradientAccumulationLogic(_LogicBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self._resume_clipping()
-        self._restore_fsdp_sync(discard=True)
-
-    def _restore_fsdp_sync(self, *, discard: bool) -> None:
-        """FSDP2's gradient sync on again after ``fit``; an abandoned window's unsynced gradients dropped.
-
-        With sync off FSDP2 keeps a window's gradients unsharded inside its parameters, where neither
-        ``zero_grad`` nor the next window would clear them: the next synced backward would add them in.
-        """
-        for module in self._fsdp_modules:
-            module.set_requires_gradient_sync(True, recurse=False)
-            if discard:
-                _drop_unsynced_gradients(module)
+        # With sync off FSDP keeps a window's gradients unsharded inside itself, where neither `zero_grad`
+        # nor the next window would clear them: the next synced backward would add them in.
+        self._sync.restore(discard=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restore_fsdp_sync(discard=self._accumulator is not None and not self._accumulator.window.empty)
+        self._sync.restore(discard=self._accumulator is not None and not self._accumulator.window.empty)
         if self._accumulator is not None and not self._accumulator.window.empty:
             self._api.rank_zero_warn(
                 f"Training ended inside a window: {self._accumulator.window.micro_batches} micro-batch(es)"

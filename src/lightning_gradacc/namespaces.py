@@ -38,6 +38,7 @@ class LightningNamespace:
     gradient_accumulation_scheduler: type
     ddp_strategy: type
     single_device_strategy: type
+    fsdp_strategy: type
     model_parallel_strategy: type
     rank_zero_warn: Callable[..., Any]
     extract_batch_size: Callable[[Any], int]
@@ -72,6 +73,7 @@ def namespace(package: str) -> LightningNamespace:
         gradient_accumulation_scheduler=load("callbacks", "GradientAccumulationScheduler"),
         ddp_strategy=load("strategies", "DDPStrategy"),
         single_device_strategy=load("strategies", "SingleDeviceStrategy"),
+        fsdp_strategy=load("strategies", "FSDPStrategy"),
         model_parallel_strategy=load("strategies", "ModelParallelStrategy"),
         rank_zero_warn=load("utilities", "rank_zero_warn"),
         extract_batch_size=load("utilities.data", "extract_batch_size"),

@@ -1,0 +1,133 @@
+"""When FSDP reduces the gradients of a window: every micro-batch (Lightning's way) or only at its end.
+
+Lightning's ``FSDPStrategy`` and ``ModelParallelStrategy`` reduce-scatter every micro-batch's gradient:
+their ``block_backward_sync`` only knows DDP's ``no_sync``. ``sharded_reduction="window_end"`` turns the
+sync off for all but the window's last backward instead: FSDP2's ``set_requires_gradient_sync`` on each
+``fully_shard`` module, FSDP1's ``no_sync()`` on each root ``FullyShardedDataParallel``. The unsharded
+gradients are then kept inside FSDP across the window (memory), and one reduce-scatter carries all of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+
+def fsdp2_modules(module: torch.nn.Module) -> list[Any]:
+    """The modules sharded with FSDP2's ``fully_shard`` (each sets its own gradient sync).
+
+    Example:
+        >>> fsdp2_modules(torch.nn.Linear(2, 2))
+        []
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp1_roots(module: torch.nn.Module) -> list[Any]:
+    """The outermost ``FullyShardedDataParallel`` (FSDP1) modules in ``module``: where ``no_sync()`` goes.
+
+    Example:
+        >>> fsdp1_roots(torch.nn.Linear(2, 2))
+        []
+    """
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return []
+    roots: list[Any] = []
+
+    def visit(node: torch.nn.Module) -> None:
+        if isinstance(node, FullyShardedDataParallel):
+            roots.append(node)
+            return
+        for child in node.children():
+            visit(child)
+
+    visit(module)
+    return roots
+
+
+def drop_unsynced_fsdp2(module: Any) -> None:
+    """Forget the gradients an FSDP2 module accumulated unsharded while its sync was off (private state)."""
+    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    for fsdp_param in getattr(group, "fsdp_params", []):
+        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+            fsdp_param.unsharded_accumulated_grad = None
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
+
+
+class ShardedSync:
+    """Which backward of a window lets FSDP (1 or 2) reduce its gradients.
+
+    Args:
+        module: The model as the strategy wrapped it (``trainer.model``).
+        window_end: Reduce at the window's last backward only (else: every backward, as Lightning does).
+
+    Example:
+        >>> sync = ShardedSync(torch.nn.Linear(2, 2), window_end=True)
+        >>> sync.sharded, sync.defers
+        (False, False)
+    """
+
+    def __init__(self, module: torch.nn.Module, *, window_end: bool) -> None:
+        self._fsdp2 = fsdp2_modules(module)
+        self._fsdp1 = fsdp1_roots(module)
+        self.defers = window_end and bool(self._fsdp2 or self._fsdp1)
+        self._held: list[contextlib.AbstractContextManager[Any]] = []  # FSDP1 `no_sync()` entered
+
+    @property
+    def sharded(self) -> bool:
+        """Whether any module is sharded by FSDP (1 or 2)."""
+        return bool(self._fsdp2 or self._fsdp1)
+
+    @property
+    def fsdp1(self) -> bool:
+        """Whether the model is wrapped by FSDP1 (``FullyShardedDataParallel``)."""
+        return bool(self._fsdp1)
+
+    def before_backward(self, last: bool) -> None:
+        """Let the coming backward reduce only if it is the window's ``last``."""
+        if not self.defers:
+            return
+        for module in self._fsdp2:
+            module.set_requires_gradient_sync(last, recurse=False)
+        if not last:
+            for root in self._fsdp1:
+                context = root.no_sync()
+                context.__enter__()
+                self._held.append(context)
+
+    def after_backward(self) -> None:
+        """Leave FSDP1's ``no_sync()``: only the backward itself runs inside it."""
+        while self._held:
+            self._held.pop().__exit__(None, None, None)
+
+    def drop_unsynced(self) -> None:
+        """Forget what FSDP2 holds unsynced for an abandoned window.
+
+        FSDP1 needs nothing: it frees its unsynced flat gradient by itself before the next forward once
+        every original parameter's ``.grad`` is ``None`` (``_reset_flat_param_grad_info_if_needed``), which
+        a discarded window and ``zero_grad`` make so.
+        """
+        if not self.defers:
+            return
+        for module in self._fsdp2:
+            drop_unsynced_fsdp2(module)
+
+    def restore(self, *, discard: bool) -> None:
+        """FSDP's own behaviour again (sync on), after ``fit``; ``discard`` drops what is held unsynced."""
+        self.after_backward()
+        if not self.defers:
+            return
+        for module in self._fsdp2:
+            module.set_requires_gradient_sync(True, recurse=False)
+        if discard:
+            self.drop_unsynced()
