@@ -46,6 +46,12 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "window_end_clip": {"sharded_reduction": "window_end", "max_grad_norm": 0.05},
 }
 
+# ModelParallelStrategy only: `fully_shard` on an HSDP mesh of 2 replicas of 1 shard each
+HSDP_SCENARIOS: dict[str, dict[str, Any]] = {
+    "hsdp": {"max_grad_norm": 0.05},
+    "hsdp_replicas_at_window_end": {"sharded_reduction": "replicas_at_window_end", "max_grad_norm": 0.05},
+}
+
 
 def sample_weights(index: torch.Tensor) -> torch.Tensor:
     """Items per sample for "weighted" (1-3, like tokens per sequence): micro-batches of unequal counts."""
@@ -71,11 +77,12 @@ def weighted_loss(prediction: torch.Tensor, target: torch.Tensor, index: torch.T
 
 
 class ShardedModule(pl.LightningModule):
-    def __init__(self, nan_on_one_rank: bool, weighted: bool) -> None:
+    def __init__(self, nan_on_one_rank: bool, weighted: bool, hsdp: bool = False) -> None:
         super().__init__()
         self.net = net()
         self.nan_on_one_rank = nan_on_one_rank
         self.weighted = weighted
+        self.hsdp = hsdp
         self.seen: list[list[int]] = []
 
     def configure_model(self) -> None:
@@ -95,6 +102,10 @@ class ShardedModule(pl.LightningModule):
             self.net = wrap(self.net)
             return
         mesh = self.device_mesh["data_parallel"]
+        if self.hsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
         for layer in self.net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -134,13 +145,13 @@ def full_parameters(module: pl.LightningModule) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in module.net.named_parameters()}
 
 
-def count_reduce_scatters() -> list[int]:
-    """Counts the gradient reduce-scatters of this process (FSDP2 calls ``dist.reduce_scatter_single``, or
-    ``reduce_scatter_tensor`` in older torch)."""
+def count_calls(*names: str) -> list[int]:
+    """Counts this process's calls of the ``torch.distributed`` functions ``names`` (for reduce-scatters:
+    FSDP2 calls ``dist.reduce_scatter_single``, FSDP1 and older torch ``reduce_scatter_tensor``)."""
     import torch.distributed as dist
 
     calls = [0]
-    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+    for name in names:
         original = getattr(dist, name, None)
         if original is None:
             continue
@@ -219,11 +230,15 @@ def resume(out: Path, state_dict_type: str) -> None:
 
 
 def main(out: Path) -> None:
-    reduce_scatters = count_reduce_scatters()
-    for name, options in SCENARIOS.items():
-        reduce_scatters[0] = 0
+    reduce_scatters = count_calls("reduce_scatter_single", "reduce_scatter_tensor")
+    all_reduces = count_calls("all_reduce")
+    scenarios = {**SCENARIOS, **(HSDP_SCENARIOS if STRATEGY == "model_parallel" else {})}
+    for name, options in scenarios.items():
+        reduce_scatters[0] = all_reduces[0] = 0
         callback = GradientAccumulationCallback(K, **options)
-        module = ShardedModule(nan_on_one_rank=name == "nan_on_one_rank", weighted=name == "weighted")
+        module = ShardedModule(
+            name == "nan_on_one_rank", weighted=name == "weighted", hsdp=name in HSDP_SCENARIOS
+        )
         trainer = sharded_trainer(callback)
         trainer.fit(module)
         full = full_parameters(module)
@@ -231,15 +246,20 @@ def main(out: Path) -> None:
         torch.save(module.seen, out / f"{name}-seen-{trainer.global_rank}.pt")
         if trainer.global_rank == 0:
             counts = (stats.windows, stats.skipped_steps, stats.non_finite_windows, stats.clipped_steps)
-            torch.save((full, counts, trainer.global_step, reduce_scatters[0]), out / f"{name}.pt")
-    if STRATEGY != "model_parallel":  # FSDP1 keeps no_sync gradients whole: no slice for buffers
-        callback = GradientAccumulationCallback(
-            K, accumulation_dtype="float64", sharded_reduction="window_end"
-        )
-        try:
-            sharded_trainer(callback).fit(ShardedModule(nan_on_one_rank=False, weighted=False))
-        except RuntimeError as error:
-            (out / f"refused-{trainer.global_rank}.txt").write_text(str(error))
+            collectives = (reduce_scatters[0], all_reduces[0])
+            torch.save((full, counts, trainer.global_step, collectives), out / f"{name}.pt")
+    if STRATEGY != "model_parallel":  # refused by FSDP1 at train start, on both ranks
+        refused = {
+            "buffers_window_end": {"accumulation_dtype": "float64", "sharded_reduction": "window_end"},
+            "replicas_at_window_end": {"sharded_reduction": "replicas_at_window_end"},
+        }
+        for name, options in refused.items():
+            try:
+                sharded_trainer(GradientAccumulationCallback(K, **options)).fit(
+                    ShardedModule(nan_on_one_rank=False, weighted=False)
+                )
+            except RuntimeError as error:
+                (out / f"refused-{name}-{trainer.global_rank}.txt").write_text(str(error))
     for state_dict_type in ("sharded", "full") if STRATEGY == "fsdp_cuda" else ("sharded",):
         resume(out, state_dict_type)
 

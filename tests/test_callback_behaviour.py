@@ -333,3 +333,18 @@ def test_batches_without_an_inferable_size_warn_once_and_still_train() -> None:
     assert len(inferred) == 1 and "batch 0" in str(inferred[0].message)  # 10 batches, one warning
     assert callback.stats.windows == 3
     assert callback.stats.items_last_step == 0
+
+
+def test_sharded_reduction_is_checked_when_the_callback_is_built() -> None:
+    expected = r"one of \['every_micro_batch', 'window_end', 'replicas_at_window_end'\], but got 'never'"
+    with pytest.raises(ValueError, match=r"argument `sharded_reduction` to be " + expected):
+        GradientAccumulationCallback(2, sharded_reduction="never")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("reduction", "where"), [("window_end", r"window\)\.$"), ("replicas_at_window_end", "on an HSDP mesh")]
+)
+def test_a_sharded_reduction_without_fsdp_warns_that_it_does_nothing(reduction: str, where: str) -> None:
+    trainer = h.trainer(callbacks=[GradientAccumulationCallback(2, sharded_reduction=reduction)])  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match=rf"`sharded_reduction='{reduction}'` has no effect.*{where}"):
+        trainer.fit(h.RegressionModule(h.regression_data(8)))

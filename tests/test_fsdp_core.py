@@ -95,6 +95,8 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh: Any = "fsdp1" if kind == "fsdp1" else init_device_mesh("cpu", (WORLD,))
+    if kind == "hsdp":  # 2 replicas of 1 shard: the norms must be combined over the shard dimension only
+        mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
     results: dict[str, Any] = {}
     for name, options in SCENARIOS.items():
         outputs = 1 if name in NARROW else 3
@@ -108,6 +110,8 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
                 loss = nn.functional.mse_loss(net(x), y)
                 if name == "nan_on_one_rank" and rank == 1 and window == 1 and index == 0:
                     loss = loss * float("nan")
+                if kind == "hsdp":  # all-reduce across replicas at the window's last backward only
+                    net.set_requires_all_reduce(index == K - 1)
                 accumulator.backward(loss, items=len(x))
             accumulator.step(optimizer)
         full = _full(net)
@@ -189,10 +193,11 @@ def _unsynced_gradients_dropped(rank: int, mesh: Any) -> float:
         net = _net()
         fully_shard(net, mesh=mesh)
         x, y = _micro_batch(rank, 0, 0, False)
-        if abandon:
-            net.set_requires_gradient_sync(False)
+        if abandon:  # HSDP: only the all-reduce across replicas held back
+            hold = net.set_requires_all_reduce if mesh.ndim > 1 else net.set_requires_gradient_sync
+            hold(False)
             nn.functional.mse_loss(net(x), y).mul(100).backward()
-            net.set_requires_gradient_sync(True)
+            hold(True)
             drop_unsynced_fsdp2(net)
             net.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
@@ -236,7 +241,7 @@ def _reference(
     return {n: p.detach() for n, p in net.named_parameters()}, clipped
 
 
-@pytest.fixture(scope="module", params=["fsdp2", "fsdp1"])
+@pytest.fixture(scope="module", params=["fsdp2", "fsdp1", "hsdp"])
 def fsdp_results(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -259,7 +264,8 @@ def test_sharded_gradients_equal_the_big_batch(fsdp_results: dict[str, Any], sce
         assert expected_clipped > 0  # the clipping case really clips
     parameters = sum(p.numel() for p in _net().parameters())
     # float64 buffers of the local shards: 8 bytes x this rank's share (rows split over 2 ranks)
-    assert buffer_bytes == (0 if scenario != "buffers" else pytest.approx(8 * parameters / WORLD, rel=0.2))
+    shards = 1 if fsdp_results["kind"] == "hsdp" else WORLD
+    assert buffer_bytes == (0 if scenario != "buffers" else pytest.approx(8 * parameters / shards, rel=0.2))
 
 
 def test_a_non_finite_shard_on_one_rank_skips_the_window_on_both(fsdp_results: dict[str, Any]) -> None:

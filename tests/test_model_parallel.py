@@ -109,12 +109,35 @@ def test_a_non_finite_micro_batch_on_one_rank_skips_on_both(trained: Path) -> No
 
 
 def test_window_end_reduces_once_per_window(trained: Path) -> None:
-    """12 micro-batches per rank in 4 windows; FSDP2 reduce-scatters once per backward, per FSDP module
-    group (each `fully_shard` call of the model: 2 layers + the root's leftovers)."""
-    every = torch.load(trained / "mean.pt")[3]
-    once = torch.load(trained / "window_end.pt")[3]
+    """12 micro-batches per rank in 4 windows; FSDP reduce-scatters once per backward, per FSDP module
+    group (each `fully_shard` call or wrapper of the model: 2 layers + the root's leftovers)."""
+    every = torch.load(trained / "mean.pt")[3][0]
+    once = torch.load(trained / "window_end.pt")[3][0]
     assert every > 0 and once > 0
     assert every == 3 * once  # 12 backwards against 4
+
+
+@pytest.mark.parametrize("name", list(run.HSDP_SCENARIOS))
+def test_hsdp_windows_equal_the_big_batch(trained: Path, name: str) -> None:
+    """2 replicas of 1 shard: the norm is combined over the shard dimension only (over both ranks it would
+    be sqrt(2) too large and clip otherwise)."""
+    if not trained.name.startswith("model_parallel"):
+        pytest.skip("FSDP2 (ModelParallelStrategy) only")
+    full, counts, global_step, _ = torch.load(trained / f"{name}.pt")
+    windows = _windows(trained, name)
+    expected = _reference(windows, run.HSDP_SCENARIOS[name])
+    assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
+    assert counts[:3] == (4, 0, 0) and global_step == 4 and counts[3] > 0
+
+
+def test_replicas_at_window_end_all_reduces_once_per_window(trained: Path) -> None:
+    """The all-reduces across replicas: one per backward and FSDP module with parameters (2 layers), 12
+    backwards against 4; the callback's own (counts, once per step) are the same in both runs."""
+    if not trained.name.startswith("model_parallel"):
+        pytest.skip("FSDP2 (ModelParallelStrategy) only")
+    every = torch.load(trained / "hsdp.pt")[3][1]
+    once = torch.load(trained / "hsdp_replicas_at_window_end.pt")[3][1]
+    assert every - once == 2 * (12 - 4)
 
 
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
@@ -135,9 +158,15 @@ def test_resume_from_a_checkpoint_inside_a_window_is_exact(trained: Path, state_
     assert max(float((resumed[n] - uninterrupted[n]).abs().max()) for n in uninterrupted) < 1e-6
 
 
-def test_fsdp1_refuses_buffers_with_window_end_reduction(trained: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("buffers_window_end", "`accumulation_dtype` cannot be combined with `sharded_reduction="),
+        ("replicas_at_window_end", "FSDP1 (`FSDPStrategy`) cannot defer the all-reduce across replicas"),
+    ],
+)
+def test_fsdp1_refuses_what_it_cannot_do(trained: Path, name: str, expected: str) -> None:
     if trained.name.startswith("model_parallel"):
-        pytest.skip("FSDP2 keeps unsynced gradients inside itself: buffers see none")
+        pytest.skip("FSDP1 only")
     for rank in range(2):
-        message = (trained / f"refused-{rank}.txt").read_text()
-        assert "`accumulation_dtype` cannot be combined with `sharded_reduction='window_end'`" in message
+        assert expected in (trained / f"refused-{name}-{rank}.txt").read_text()

@@ -27,7 +27,7 @@ from .core.validation import AccumulationSettings
 from .core.weighting import ItemCount
 from .namespaces import CALLBACK_IMPORTS, PYTORCH_LIGHTNING, LightningNamespace, namespace, namespace_of
 from .schedule import AccumulationPlan
-from .sharded_sync import ShardedSync, fsdp1_roots
+from .sharded_sync import REDUCTIONS, ShardedSync, fsdp1_roots
 from .stats import AccumulationStats
 
 # Type-checked against pytorch_lightning's Callback (both namespaces have the same hooks); a plain mixin at
@@ -191,10 +191,12 @@ class GradientAccumulationLogic(_LogicBase):
             ``precision="bf16-true"``, instead of in the parameters' dtype.
         clip_mode: ``"step"`` clips the final gradient; ``"micro_batch"`` clips each micro-batch's own
             gradient to ``max_grad_norm`` before it is added (needs ``accumulation_dtype``).
-        sharded_reduction: Under ``ModelParallelStrategy`` (FSDP2): ``"every_micro_batch"`` reduce-scatters
-            each micro-batch's gradient (Lightning's behaviour: sharded memory, K times the communication);
-            ``"window_end"`` turns FSDP's gradient sync off for all but the window's last micro-batch (one
-            reduce-scatter per step; the unsharded gradients are kept across the window).
+        sharded_reduction: Under ``FSDPStrategy`` and ``ModelParallelStrategy``: ``"every_micro_batch"``
+            reduce-scatters each micro-batch's gradient (Lightning's behaviour: sharded memory, K times the
+            communication); ``"window_end"`` turns FSDP's gradient sync off for all but the window's last
+            micro-batch (one reduce-scatter per step; the unsharded gradients are kept across the window);
+            ``"replicas_at_window_end"`` (FSDP2 on an HSDP mesh) reduce-scatters every micro-batch inside
+            each replica but all-reduces across replicas once per step (sharded memory).
 
     Attributes:
         plan: How K is chosen, as configured (:class:`~lightning_gradacc.schedule.AccumulationPlan`); each
@@ -230,13 +232,15 @@ class GradientAccumulationLogic(_LogicBase):
         log_stats: bool = True,
         accumulation_dtype: str | None = None,
         clip_mode: Literal["step", "micro_batch"] = "step",
-        sharded_reduction: Literal["every_micro_batch", "window_end"] = "every_micro_batch",
+        sharded_reduction: Literal[
+            "every_micro_batch", "window_end", "replicas_at_window_end"
+        ] = "every_micro_batch",
     ) -> None:
         self.plan = AccumulationPlan(accumulation_steps, target_batch_size)
-        if sharded_reduction not in ("every_micro_batch", "window_end"):
+        if sharded_reduction not in REDUCTIONS:
             raise ValueError(
-                "Expected argument `sharded_reduction` to be one of ['every_micro_batch', 'window_end'], but"
-                f" got {sharded_reduction!r}."
+                f"Expected argument `sharded_reduction` to be one of {list(REDUCTIONS)}, but got"
+                f" {sharded_reduction!r}."
             )
         self.sharded_reduction = sharded_reduction
         self.settings = AccumulationSettings.checked(
@@ -274,7 +278,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._applied_to: weakref.ref[pl.Trainer] | None = None
         self._scaler: torch.amp.GradScaler | None = None
         self._signature: tuple[tuple[int, int], ...] = ()
-        self._sync = ShardedSync(torch.nn.Module(), window_end=False)  # when FSDP reduces: set at train start
+        self._sync = ShardedSync(torch.nn.Module())  # when FSDP reduces: set at train start
         # per micro-batch
         self._pending_items: Any = None
         self._pending_error: str | None = None
@@ -501,7 +505,10 @@ class GradientAccumulationLogic(_LogicBase):
         self._check_optimizers(trainer)
         self._build_accumulator(trainer, pl_module)
         assert trainer.model is not None
-        self._sync = sync = ShardedSync(trainer.model, window_end=self.sharded_reduction == "window_end")
+        try:
+            self._sync = sync = ShardedSync(trainer.model, reduction=self.sharded_reduction)
+        except ValueError as error:
+            raise RuntimeError(str(error)) from None
         per_micro_batch = (
             self.settings.overflow == "skip_micro_batch" or self.settings.clip_mode == "micro_batch"
         )
@@ -517,10 +524,11 @@ class GradientAccumulationLogic(_LogicBase):
                 " storage (the parameters' dtype), so there is no slice to buffer. Use"
                 " `sharded_reduction='every_micro_batch'` with buffers."
             )
-        if self.sharded_reduction == "window_end" and not sync.sharded:
+        if self.sharded_reduction != "every_micro_batch" and not sync.defers:
             self._api.rank_zero_warn(
-                "`sharded_reduction='window_end'` has no effect: no module of the LightningModule is sharded"
-                " by FSDP (DDP already reduces once per window)."
+                f"`sharded_reduction={self.sharded_reduction!r}` has no effect: no module of the"
+                " LightningModule is sharded by FSDP (DDP already reduces once per window)"
+                + (" on an HSDP mesh." if self.sharded_reduction == "replicas_at_window_end" else ".")
             )
         self._go_first(trainer)  # again: another callback may have moved itself in its own `setup`
 
@@ -734,8 +742,8 @@ class GradientAccumulationLogic(_LogicBase):
         # None: the window's earlier micro-batches would be dropped. The callback steps it itself.
         if self._sync.defers and not self._backward_in_batch and not accumulator.window.empty:
             raise RuntimeError(
-                "With `sharded_reduction='window_end'` the window's gradients are reduce-scattered by its"
-                " last backward, but the batch that ends this window ran none (`training_step` returned"
+                f"With `sharded_reduction={self.sharded_reduction!r}` the window's gradients are reduced by"
+                " its last backward, but the batch that ends this window ran none (`training_step` returned"
                 " None): the window cannot be completed. Use `sharded_reduction='every_micro_batch'` with"
                 " such data."
             )

@@ -5,6 +5,9 @@ their ``block_backward_sync`` only knows DDP's ``no_sync``. ``sharded_reduction=
 sync off for all but the window's last backward instead: FSDP2's ``set_requires_gradient_sync`` on each
 ``fully_shard`` module, FSDP1's ``no_sync()`` on each root ``FullyShardedDataParallel``. The unsharded
 gradients are then kept inside FSDP across the window (memory), and one reduce-scatter carries all of it.
+``"replicas_at_window_end"`` (FSDP2 on an HSDP mesh) still reduce-scatters every micro-batch inside each
+replica (memory stays sharded) and defers only the all-reduce across replicas
+(``set_requires_all_reduce``), which is the slow one between nodes.
 """
 
 from __future__ import annotations
@@ -54,8 +57,13 @@ def fsdp1_roots(module: torch.nn.Module) -> list[Any]:
 
 
 def drop_unsynced_fsdp2(module: Any) -> None:
-    """Forget the gradients an FSDP2 module accumulated unsharded while its sync was off (private state)."""
-    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    """Forget the gradients an FSDP2 module held back while its sync or all-reduce was off (private state).
+
+    Unsharded while the sync was off; reduce-scattered but not all-reduced across replicas (HSDP).
+    """
+    group: Any = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    if getattr(group, "_partial_reduce_output", None) is not None:
+        group._partial_reduce_output = None
     for fsdp_param in getattr(group, "fsdp_params", []):
         if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
             fsdp_param.unsharded_accumulated_grad = None
@@ -64,23 +72,46 @@ def drop_unsynced_fsdp2(module: Any) -> None:
             unsharded.grad = None
 
 
+REDUCTIONS = ("every_micro_batch", "window_end", "replicas_at_window_end")
+
+
+def is_replicated(module: Any) -> bool:
+    """Whether an FSDP2 module shards over an HSDP mesh (a replicate and a shard dimension)."""
+    meshes = [getattr(param, "device_mesh", None) for param in module.parameters()]
+    return any(mesh is not None and mesh.ndim > 1 for mesh in meshes)
+
+
 class ShardedSync:
     """Which backward of a window lets FSDP (1 or 2) reduce its gradients.
 
     Args:
         module: The model as the strategy wrapped it (``trainer.model``).
-        window_end: Reduce at the window's last backward only (else: every backward, as Lightning does).
+        reduction: One of :data:`REDUCTIONS` (``"every_micro_batch"``: every backward, as Lightning does).
+
+    Raises:
+        ValueError: ``"replicas_at_window_end"`` with FSDP1, which cannot defer the all-reduce alone.
 
     Example:
-        >>> sync = ShardedSync(torch.nn.Linear(2, 2), window_end=True)
+        >>> sync = ShardedSync(torch.nn.Linear(2, 2), reduction="window_end")
         >>> sync.sharded, sync.defers
         (False, False)
     """
 
-    def __init__(self, module: torch.nn.Module, *, window_end: bool) -> None:
+    def __init__(self, module: torch.nn.Module, *, reduction: str = "every_micro_batch") -> None:
         self._fsdp2 = fsdp2_modules(module)
         self._fsdp1 = fsdp1_roots(module)
-        self.defers = window_end and bool(self._fsdp2 or self._fsdp1)
+        self.reduction = reduction
+        self._all_reduce_only = reduction == "replicas_at_window_end"
+        if self._all_reduce_only and self._fsdp1:
+            raise ValueError(
+                "`sharded_reduction='replicas_at_window_end'` needs FSDP2 (`fully_shard` on an HSDP mesh):"
+                " FSDP1 (`FSDPStrategy`) cannot defer the all-reduce across replicas alone. Use"
+                " `sharded_reduction='window_end'` (`no_sync()`), or `ModelParallelStrategy` with"
+                " `fully_shard`."
+            )
+        if self._all_reduce_only:
+            self._fsdp2 = [m for m in self._fsdp2 if is_replicated(m)]
+        self.defers = reduction != "every_micro_batch" and bool(self._fsdp2 or self._fsdp1)
         self._held: list[contextlib.AbstractContextManager[Any]] = []  # FSDP1 `no_sync()` entered
 
     @property
@@ -98,7 +129,10 @@ class ShardedSync:
         if not self.defers:
             return
         for module in self._fsdp2:
-            module.set_requires_gradient_sync(last, recurse=False)
+            if self._all_reduce_only:
+                module.set_requires_all_reduce(last, recurse=False)
+            else:
+                module.set_requires_gradient_sync(last, recurse=False)
         if not last:
             for root in self._fsdp1:
                 context = root.no_sync()
@@ -128,6 +162,9 @@ class ShardedSync:
         if not self.defers:
             return
         for module in self._fsdp2:
-            module.set_requires_gradient_sync(True, recurse=False)
+            if self._all_reduce_only:
+                module.set_requires_all_reduce(True, recurse=False)
+            else:
+                module.set_requires_gradient_sync(True, recurse=False)
         if discard:
             self.drop_unsynced()

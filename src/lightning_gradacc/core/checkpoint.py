@@ -84,7 +84,8 @@ def check_window_state(
 
 
 UNSYNCED = (
-    "This window's gradients are held unsynced inside {} (`sharded_reduction='window_end'`) and"
+    "This window's gradients are held unsynced inside {} (`sharded_reduction='window_end'` or"
+    " `'replicas_at_window_end'`) and"
     " cannot be saved in the middle of the window: checkpoint at the end of a window (e.g."
     " `ModelCheckpoint(every_n_train_steps=...)`), or use `sharded_reduction='every_micro_batch'`."
 )
