@@ -51,12 +51,19 @@ def _sharded_net(mesh: Any, outputs: int = 3) -> nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
     net = _net(outputs)
-    if mesh == "fsdp1":
-        cpu = torch.device("cpu")
+    if mesh in ("fsdp1", "fsdp1_hybrid"):
+        options: dict[str, Any] = {"device_id": torch.device("cpu"), "use_orig_params": True}
+        if mesh == "fsdp1_hybrid":  # 2 replicas of 2 shards (FSDP1 turns 1 shard into NO_SHARD)
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import ShardingStrategy
+
+            options["sharding_strategy"] = ShardingStrategy.HYBRID_SHARD
+            names = ("replicate", "shard")
+            options["device_mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
         for index, layer in enumerate(net):
             if isinstance(layer, nn.Linear):
-                net[index] = FullyShardedDataParallel(layer, device_id=cpu, use_orig_params=True)
-        return FullyShardedDataParallel(net, device_id=cpu, use_orig_params=True)
+                net[index] = FullyShardedDataParallel(layer, **options)
+        return FullyShardedDataParallel(net, **options)
     for layer in net:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -65,7 +72,7 @@ def _sharded_net(mesh: Any, outputs: int = 3) -> nn.Module:
 
 
 def _accumulator(net: nn.Module, mesh: Any, **options: Any) -> GradAccumulator:
-    fsdp_module = net if mesh == "fsdp1" else None
+    fsdp_module = net if mesh in ("fsdp1", "fsdp1_hybrid") else None
     return GradAccumulator(net.named_parameters(), K, fsdp_module=fsdp_module, **options)
 
 
@@ -89,12 +96,16 @@ def _micro_batch(
     return torch.randn(rows, 5, generator=generator), torch.randn(rows, outputs, generator=generator)
 
 
+def _world(kind: str) -> int:
+    return 4 if kind == "fsdp1_hybrid" else WORLD
+
+
 def _worker(rank: int, port: int, out: str, kind: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=_world(kind))
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh: Any = "fsdp1" if kind == "fsdp1" else init_device_mesh("cpu", (WORLD,))
+    mesh: Any = kind if kind.startswith("fsdp1") else init_device_mesh("cpu", (WORLD,))
     if kind == "hsdp":  # 2 replicas of 1 shard: the norms must be combined over the shard dimension only
         mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
     results: dict[str, Any] = {}
@@ -125,7 +136,7 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
             stats.buffer_bytes,
         )
     results["stale"] = _unsynced_gradients_dropped(rank, mesh)
-    if kind == "fsdp1":
+    if kind.startswith("fsdp1"):
         results["no_sync_buffers"] = _buffers_inside_no_sync(rank, mesh)
     for name in ("mean", "buffers"):
         results[f"resumed_{name}"] = _resumed_mid_window(rank, mesh, SCENARIOS[name])
@@ -176,7 +187,7 @@ def _unsynced_gradients_dropped(rank: int, mesh: Any) -> float:
     from lightning_gradacc.sharded_sync import drop_unsynced_fsdp2
 
     grads = []
-    if mesh == "fsdp1":
+    if mesh in ("fsdp1", "fsdp1_hybrid"):
         for abandon in (False, True):
             net = _sharded_net(mesh)
             x, y = _micro_batch(rank, 0, 0, False)
@@ -184,7 +195,6 @@ def _unsynced_gradients_dropped(rank: int, mesh: Any) -> float:
                 with net.no_sync():
                     nn.functional.mse_loss(net(x), y).mul(100).backward()
                 GradAccumulator(net.parameters(), fsdp_module=net).reset()  # as a discarded window
-
             nn.functional.mse_loss(net(x), y).backward()
             with FullyShardedDataParallel.summon_full_params(net, with_grads=True):
                 grads.append([p.grad.clone() for p in net.parameters()])
@@ -206,7 +216,7 @@ def _unsynced_gradients_dropped(rank: int, mesh: Any) -> float:
 
 
 def _reference(
-    options: dict[str, Any], skip_windows: tuple[int, ...] = (), outputs: int = 3
+    options: dict[str, Any], skip_windows: tuple[int, ...] = (), outputs: int = 3, world: int = WORLD
 ) -> tuple[dict, int]:
     """One step per window on both ranks' micro-batches as ONE batch (mean over every item)."""
     net = _net(outputs)
@@ -216,7 +226,7 @@ def _reference(
     for window in range(WINDOWS):
         pairs = [
             _micro_batch(rank, window, index, weighted, outputs)
-            for rank in range(WORLD)
+            for rank in range(world)
             for index in range(K)
         ]
         x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
@@ -241,13 +251,13 @@ def _reference(
     return {n: p.detach() for n, p in net.named_parameters()}, clipped
 
 
-@pytest.fixture(scope="module", params=["fsdp2", "fsdp1", "hsdp"])
+@pytest.fixture(scope="module", params=["fsdp2", "fsdp1", "hsdp", "fsdp1_hybrid"])
 def fsdp_results(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     out = str(tmp_path_factory.mktemp("fsdp") / "results.pt")
-    mp.spawn(_worker, args=(port, out, request.param), nprocs=WORLD)
+    mp.spawn(_worker, args=(port, out, request.param), nprocs=_world(request.param))
     results = torch.load(out, weights_only=True)
     results["kind"] = request.param
     return results
@@ -256,7 +266,9 @@ def fsdp_results(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtu
 @pytest.mark.parametrize("scenario", [name for name in SCENARIOS if name != "nan_on_one_rank"])
 def test_sharded_gradients_equal_the_big_batch(fsdp_results: dict[str, Any], scenario: str) -> None:
     full, windows, skipped, non_finite, clipped, buffer_bytes = fsdp_results[scenario]
-    expected, expected_clipped = _reference(SCENARIOS[scenario], outputs=1 if scenario in NARROW else 3)
+    world = _world(fsdp_results["kind"])
+    outputs = 1 if scenario in NARROW else 3
+    expected, expected_clipped = _reference(SCENARIOS[scenario], outputs=outputs, world=world)
     assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
     assert (windows, skipped, non_finite) == (WINDOWS, 0, 0)
     assert clipped == expected_clipped
@@ -264,13 +276,13 @@ def test_sharded_gradients_equal_the_big_batch(fsdp_results: dict[str, Any], sce
         assert expected_clipped > 0  # the clipping case really clips
     parameters = sum(p.numel() for p in _net().parameters())
     # float64 buffers of the local shards: 8 bytes x this rank's share (rows split over 2 ranks)
-    shards = 1 if fsdp_results["kind"] == "hsdp" else WORLD
+    shards = {"hsdp": 1, "fsdp1_hybrid": 2}.get(fsdp_results["kind"], WORLD)
     assert buffer_bytes == (0 if scenario != "buffers" else pytest.approx(8 * parameters / shards, rel=0.2))
 
 
 def test_a_non_finite_shard_on_one_rank_skips_the_window_on_both(fsdp_results: dict[str, Any]) -> None:
     full, windows, skipped, non_finite, _, _ = fsdp_results["nan_on_one_rank"]
-    expected, _ = _reference({}, skip_windows=(1,))
+    expected, _ = _reference({}, skip_windows=(1,), world=_world(fsdp_results["kind"]))
     assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
     assert (windows, skipped, non_finite) == (WINDOWS, 1, 1)
 
@@ -296,6 +308,6 @@ def test_a_window_saved_in_the_middle_resumes_exactly(fsdp_results: dict[str, An
 
 
 def test_fsdp1_buffers_refuse_whole_gradients_from_no_sync(fsdp_results: dict[str, Any]) -> None:
-    if fsdp_results["kind"] != "fsdp1":
+    if not fsdp_results["kind"].startswith("fsdp1"):
         pytest.skip("FSDP1's `no_sync()`")
     assert "is whole ((8, 5)), not this rank's slice ((24,))" in fsdp_results["no_sync_buffers"]
