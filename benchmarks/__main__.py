@@ -129,29 +129,49 @@ def operators(device: str) -> list[str]:
 
 
 def sharded(quick: bool) -> list[str]:
-    """``sharded_reduction`` modes under ModelParallelStrategy (FSDP2), each a fit of 2 CPU processes."""
+    """``sharded_reduction`` modes under FSDP2, HSDP and FSDP1, each a fit of 2 CPU processes."""
     if quick:
-        return ["Skipped in `--quick` (two 2-process fits)."]
+        return ["Skipped in `--quick` (seven 2-process fits)."]
     import json
     import subprocess
     import sys
     import tempfile
 
+    runs = [
+        ("model_parallel", "every_micro_batch"),
+        ("model_parallel", "window_end"),
+        ("fsdp", "every_micro_batch"),
+        ("fsdp", "window_end"),
+        ("hsdp", "every_micro_batch"),
+        ("hsdp", "replicas_at_window_end"),
+        ("hsdp", "window_end"),
+    ]
+    titles = {
+        "model_parallel": "FSDP2 (`ModelParallelStrategy`)",
+        "fsdp": "FSDP1 (`FSDPStrategy`)",
+        "hsdp": "FSDP2 on HSDP (2 replicas x 1 shard)",
+    }
     lines = [
-        "| `sharded_reduction` | reduce-scatters per step | bytes reduce-scattered per step (per rank) |"
-        " peak resident memory, rank 0 / rank 1 | seconds per optimizer step |",
-        "|---|---|---|---|---|",
+        "| strategy | `sharded_reduction` | reduce-scatters / step | MiB reduce-scattered / step |"
+        " all-reduces / step | MiB all-reduced / step | peak gradient memory held (MiB) |"
+        " peak resident memory, rank 0 / 1 (MiB) | s / step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     script = Path(__file__).parent / "sharded.py"
     with tempfile.TemporaryDirectory() as out:
-        for mode in ("every_micro_batch", "window_end"):
-            subprocess.run([sys.executable, str(script), out, mode], check=True, capture_output=True)
-            ranks = [json.loads((Path(out) / f"{mode}-{rank}.json").read_text()) for rank in (0, 1)]
+        for strategy, mode in runs:
+            command = [sys.executable, str(script), out, strategy, mode]
+            subprocess.run(command, check=True, capture_output=True)
+            files = [Path(out) / f"{strategy}-{mode}-{rank}.json" for rank in (0, 1)]
+            ranks = [json.loads(file.read_text()) for file in files]
+            first = ranks[0]
             lines.append(
-                f"| `{mode}` | {ranks[0]['reduce_scatters_per_step']:g} |"
-                f" {ranks[0]['bytes_per_step'] / 2**20:.1f} MiB |"
-                f" {ranks[0]['peak_rss'] / 2**20:.0f} / {ranks[1]['peak_rss'] / 2**20:.0f} MiB |"
-                f" {max(r['seconds_per_step'] for r in ranks):.3f} s |"
+                f"| {titles[strategy]} | `{mode}` | {first['reduce_scatters_per_step']:g} |"
+                f" {first['scattered_bytes_per_step'] / 2**20:.1f} | {first['all_reduces_per_step']:g} |"
+                f" {first['all_reduced_bytes_per_step'] / 2**20:.1f} |"
+                f" {first['peak_held_gradient_bytes'] / 2**20:.1f} |"
+                f" {ranks[0]['peak_rss'] / 2**20:.0f} / {ranks[1]['peak_rss'] / 2**20:.0f} |"
+                f" {max(r['seconds_per_step'] for r in ranks):.3f} |"
             )
             print(lines[-1], flush=True)
     return lines
@@ -180,8 +200,7 @@ def main() -> None:
         *syncs(args.device, args.quick),
         "\n## Operators launched by one boundary (`finalize`, small model, torch.profiler)\n",
         *operators(args.device),
-        "\n## Gradient reduction under FSDP2 (`ModelParallelStrategy`, 2 CPU processes, 4.2M parameters,"
-        " K=4)\n",
+        "\n## Gradient reduction under sharded strategies (2 CPU processes, gloo, 4.2M parameters, K=4)\n",
         *sharded(args.quick),
     ]
     out = args.out or Path(__file__).parent / f"results-{args.device}{'-quick' if args.quick else ''}.md"
