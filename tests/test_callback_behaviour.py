@@ -14,7 +14,7 @@ from pytorch_lightning.callbacks import GradientAccumulationScheduler
 from pytorch_lightning.strategies import FSDPStrategy, SingleDeviceStrategy
 
 from lightning_gradacc import AccumulationStats, GradientAccumulationCallback
-from lightning_gradacc.callback import LOGGED_STATISTICS
+from lightning_gradacc.callback import LOGGED_STATISTICS, NOISE_STATISTICS
 from tests import helpers as h
 from tests.syncs import SyncCounter
 
@@ -41,7 +41,8 @@ def test_logs_one_point_per_optimizer_step_with_exact_values() -> None:
     assert logged == pytest.approx(losses, rel=1e-5)  # the mean loss over the whole window
     expected_keys = {f"grad_accum/{name}" for name in LOGGED_STATISTICS} | {"grad_accum/window_loss"}
     assert expected_keys <= set(recorder.records[0][1])
-    assert set(LOGGED_STATISTICS) == set(AccumulationStats().as_dict()) - {"open_window_micro_batches"}
+    unlogged = {"open_window_micro_batches", *NOISE_STATISTICS}  # the noise ones with noise_scale=True only
+    assert set(LOGGED_STATISTICS) == set(AccumulationStats().as_dict()) - unlogged
 
 
 def test_respects_log_every_n_steps_and_log_stats() -> None:

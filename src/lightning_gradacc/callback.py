@@ -38,10 +38,11 @@ else:
     _LogicBase = object
 
 # Statistics logged under "grad_accum/" with their own names (all but the open window's micro-batches).
+NOISE_STATISTICS = ("noise_scale", "grad_sq_norm_estimate", "trace_sigma_estimate")  # with noise_scale=True
 LOGGED_STATISTICS = tuple(
     name
     for name in (*AccumulationStats.__dataclass_fields__, "steps_taken")
-    if name != "open_window_micro_batches"
+    if name != "open_window_micro_batches" and name not in NOISE_STATISTICS
 )
 SCHEDULER_CONFLICT = (
     "You are using Lightning's `GradientAccumulationScheduler` and `GradientAccumulationCallback`. Remove the"
@@ -197,6 +198,12 @@ class GradientAccumulationLogic(_LogicBase):
             micro-batch (one reduce-scatter per step; the unsharded gradients are kept across the window);
             ``"replicas_at_window_end"`` (FSDP2 on an HSDP mesh) reduce-scatters every micro-batch inside
             each replica but all-reduces across replicas once per step (sharded memory).
+        noise_scale: Estimate the gradient noise scale (McCandlish et al. 2018) from each window's
+            micro-batches: the batch size, in items, beyond which larger batches stop paying off. Logged as
+            ``grad_accum/noise_scale`` with the per-step estimates ``grad_accum/grad_sq_norm_estimate``
+            (|G|²) and ``grad_accum/trace_sigma_estimate`` (tr Σ). Needs K x ranks >= 2; single device and
+            DDP only.
+        noise_scale_decay: Of the exponential averages of |G|² and tr Σ before their ratio is taken.
 
     Attributes:
         plan: How K is chosen, as configured (:class:`~lightning_gradacc.schedule.AccumulationPlan`); each
@@ -235,6 +242,8 @@ class GradientAccumulationLogic(_LogicBase):
         sharded_reduction: Literal[
             "every_micro_batch", "window_end", "replicas_at_window_end"
         ] = "every_micro_batch",
+        noise_scale: bool = False,
+        noise_scale_decay: float = 0.95,
     ) -> None:
         self.plan = AccumulationPlan(accumulation_steps, target_batch_size)
         if sharded_reduction not in REDUCTIONS:
@@ -252,6 +261,8 @@ class GradientAccumulationLogic(_LogicBase):
             overflow=overflow,
             accumulation_dtype=accumulation_dtype,
             clip_mode=clip_mode,
+            noise_scale=noise_scale,
+            noise_scale_decay=noise_scale_decay,
         )
         if item_count_fn is not None:
             if not callable(item_count_fn):
@@ -588,6 +599,13 @@ class GradientAccumulationLogic(_LogicBase):
         k = trainer.accumulate_grad_batches
         world_size = trainer.world_size
         previous = self._accumulator
+        if previous is not None:
+            previous.remove_hooks()  # its noise-scale hook must not keep measuring
+        if self.settings.noise_scale and k * world_size < 2:
+            self._api.rank_zero_warn(
+                f"`noise_scale=True` needs at least 2 micro-batches per window, but K={k} on {world_size}"
+                " rank(s) gives 1: no estimate is made while K stays at 1."
+            )
         model = trainer.model
         accumulator = GradAccumulator(  # all-reduces on the default group, as Lightning's DDP does, but
             _optimized_parameters(trainer, pl_module),  # without `strategy.reduce`'s barrier before each
@@ -819,7 +837,8 @@ class GradientAccumulationLogic(_LogicBase):
         if self._accumulator is None:
             return {}
         stats = self._accumulator.stats.as_dict()
-        logged = {f"grad_accum/{name}": float(stats[name]) for name in LOGGED_STATISTICS}
+        names = LOGGED_STATISTICS + (NOISE_STATISTICS if self.settings.noise_scale else ())
+        logged = {f"grad_accum/{name}": float(stats[name]) for name in names}
         logged["grad_accum/window_loss"] = self._accumulator.window_loss
         return logged
 
@@ -838,6 +857,8 @@ class GradientAccumulationLogic(_LogicBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self._resume_clipping()
+        if self._accumulator is not None:
+            self._accumulator.remove_hooks()
         # With sync off FSDP keeps a window's gradients unsharded inside itself, where neither `zero_grad`
         # nor the next window would clear them: the next synced backward would add them in.
         self._sync.restore(discard=True)
@@ -851,6 +872,8 @@ class GradientAccumulationLogic(_LogicBase):
                 " were back-propagated but never stepped; their gradients are discarded."
             )
             self._accumulator.reset(set_grads_to_none=False)
+        if self._accumulator is not None:
+            self._accumulator.remove_hooks()
 
     # ------------------------------------------------------------------------------------- checkpoint
 

@@ -33,6 +33,7 @@ from .kernels import GroupKey, non_finite_names, tensor_norms
 from .ledger import COUNTERS, Ledger
 from .memory import WindowPeakMemory
 from .micro_batch import absorb_micro_batch
+from .noise import NoiseScale
 from .shards import FlatShard, combine_shard_norms, flat_shards, is_fsdp_flattened, local_shards
 from .stats import AccumulationStats
 from .store import WindowGradients
@@ -54,6 +55,7 @@ class _Measured:
     dropped: Scalar
     micro_clips: Scalar
     loss: tuple[Scalar, Scalar] | None  # (loss sum, loss weight) when computed now
+    noise: Tensor | list[float] | None = None  # (Σ b|g|², Σ b, n, Σ 1/b) over ranks (noise_scale=True)
 
 
 _REMOVED = {  # keyword arguments of 0.1 -> what replaces them
@@ -126,6 +128,12 @@ class GradAccumulator:
         grad_scaler: A ``torch.amp.GradScaler`` that scales every loss before backward, is asked to
             ``unscale_`` the gradients before :meth:`finalize`, and skips non-finite steps itself (the
             accumulator then counts them but neither drops gradients nor raises).
+        noise_scale: Estimate the gradient noise scale from each window's micro-batch gradients
+            (:attr:`AccumulationStats.noise_scale`; see :mod:`lightning_gradacc.core.noise`). Costs one
+            gradient hook per backward (a fused norm pass, no sync, no memory) and three scalars in the
+            boundary's all-reduce. Needs at least 2 micro-batches per window (over ranks); not with
+            sharded gradients, ``overflow="skip_micro_batch"`` or ``clip_mode="micro_batch"``.
+        noise_scale_decay: Of the exponential averages of |G|² and tr(Σ) (0.95: about 20 steps).
         settings: The math settings above, already checked (instead of passing them one by one).
         fsdp_module: The model wrapped by FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``) whose
             parameters these are: their gradients are flat slices of the whole, and their norms are combined
@@ -169,6 +177,8 @@ class GradAccumulator:
         foreach: bool | None = None,
         accumulation_dtype: str | torch.dtype | None = None,
         clip_mode: str = "step",
+        noise_scale: bool = False,
+        noise_scale_decay: float = 0.95,
         grad_scaler: Any = None,
         settings: AccumulationSettings | None = None,
         fsdp_module: torch.nn.Module | None = None,
@@ -183,6 +193,8 @@ class GradAccumulator:
             overflow=overflow,
             accumulation_dtype=accumulation_dtype,
             clip_mode=clip_mode,
+            noise_scale=noise_scale,
+            noise_scale_decay=noise_scale_decay,
         )
         if settings is None:
             settings = AccumulationSettings.checked(**given)
@@ -216,6 +228,15 @@ class GradAccumulator:
         self._layouts()
         self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self._ledger = Ledger(self._ledger_dtype)
+        self._noise: NoiseScale | None = None
+        if settings.noise_scale:
+            if self._flat_sharded or any(g is not None for g in local_shards(self.parameters)[1]):
+                raise NotImplementedError(
+                    "`noise_scale=True` is not supported with sharded (FSDP) parameters yet: their gradients"
+                    " reach the shards by reduce-scatter, never through a gradient hook."
+                )
+            self._noise = NoiseScale(settings.noise_scale_decay, self.device, self._ledger_dtype)
+            self._noise.watch(self.parameters)
         self._memory = WindowPeakMemory(self.device)  # reset when the statistics are read, not per window
         self._memory.start()
         self._weighting = ItemWeighting(settings.scaling == "weighted", self._scalar, self._world)
@@ -274,6 +295,8 @@ class GradAccumulator:
             self._buffers.retrack(named)
         self._named = named
         self._layouts()
+        if self._noise is not None:
+            self._noise.watch(self.parameters)
 
     @property
     def parameters(self) -> list[Tensor]:
@@ -489,6 +512,13 @@ class GradAccumulator:
         keep = absorb_micro_batch(self, count) if to_buffers else None
         weight = count.weight if self.settings.scaling == "weighted" else None
         window.tally.add(count.items, loss, keep, weight)
+        if self._noise is not None:
+            if reevaluation:  # the same micro-batch again (LBFGS): measured once
+                self._noise.discard_pending()
+            else:
+                amp = self._amp_scale()
+                scale = window.loss_scale * amp if amp is not None else window.loss_scale
+                self._noise.record(count.items, count.weight, scale)
         window.record_micro_batch(in_buffers=to_buffers)
         if not reevaluation:
             self._total_micro_batches += 1
@@ -637,7 +667,7 @@ class GradAccumulator:
         comes along in it); device scalars otherwise.
         """
         settings = self.settings
-        totals = self._window_totals(all_reduce)
+        totals, noise = self._window_totals(all_reduce)
         dropped: Scalar = window.dropped if window.dropped is not None else 0.0
         micro_clips: Scalar = window.micro_clips if window.micro_clips is not None else 0.0
         loss: tuple[Scalar, Scalar] | None = None
@@ -656,11 +686,13 @@ class GradAccumulator:
             norms = Norms.on_device(
                 each, settings.norm_type, each_largest, device=self.device, keep_per_tensor=per_tensor
             )
-            return _Measured(totals, norms, dropped, micro_clips, loss)
+            return _Measured(totals, norms, dropped, micro_clips, loss, noise)
         # Each tensor's norm goes to the host, where they are combined: no kernel for the total.
         tensor_wise = _stacked(each, self.device)
         largest_wise = [_stacked(each_largest, self.device)] if each_largest is not None else []
         values = [*totals.values(), dropped, micro_clips, *(loss or ()), tensor_wise, *largest_wise]
+        if noise is not None:
+            values.append(noise)
         on_device = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
         for i, value in zip(on_device, self._ledger.sync(*(values[i] for i in on_device)), strict=True):
             values[i] = value
@@ -677,6 +709,7 @@ class GradAccumulator:
             values[5],
             values[6],
             (values[7], values[8]) if loss is not None else None,
+            values[-1] if noise is not None else None,
         )
 
     def _account(
@@ -710,6 +743,7 @@ class GradAccumulator:
                 "last_grad_norm": decision.norm,
                 "items_last_step": measured.totals.items,
                 "window_loss": window_loss,
+                **self._noise_statistics(window, measured, decision),
             },
             count=not reevaluation,
         )
@@ -717,6 +751,24 @@ class GradAccumulator:
         if not reevaluation:
             self._windows += 1
         return live, has_items
+
+    def _noise_statistics(self, window: Window, measured: _Measured, decision: Decision) -> dict[str, Scalar]:
+        """The window's noise-scale estimates (``noise_scale=True``), folded into the averages."""
+        if self._noise is None or measured.noise is None:
+            return {}
+        self._noise.watch(self.parameters)  # a layer unfrozen without `track`: watched from now on
+        noise = measured.noise
+        parts: list[Scalar] = list(noise.unbind()) if isinstance(noise, Tensor) else list(noise)
+        # the window's mean gradient: "sum" is k times the mean over every rank's micro-batches
+        mean = decision.norm / window.micro_batches if self.settings.scaling == "sum" else decision.norm
+        found = self._noise.update(
+            parts, mean * mean, weighted=self.settings.scaling == "weighted", items=measured.totals.items
+        )
+        return {
+            "noise_scale": found.noise_scale,
+            "grad_sq_norm_estimate": found.grad_sq_norm,
+            "trace_sigma_estimate": found.trace_sigma,
+        }
 
     def _keeps_step(
         self,
@@ -740,13 +792,20 @@ class GradAccumulator:
             raise GradientOverflowError(step, non_finite_names(named))
         return bool(keeps_step and has_any)
 
-    def _window_totals(self, all_reduce: AllReduce | None) -> WindowTotals:
-        """The window's totals, summed over ranks (one small all-reduce); alone, without the loss totals."""
+    def _window_totals(self, all_reduce: AllReduce | None) -> tuple[WindowTotals, Tensor | None]:
+        """The window's totals and noise-scale totals, summed over ranks (one small all-reduce).
+
+        Alone (no all-reduce), the loss totals are left out (computed only if read).
+        """
         totals = self._window.tally.totals(with_loss=all_reduce is not None)
+        noise = self._noise.window_totals() if self._noise is not None else None
         if all_reduce is None:
-            return totals
+            return totals, noise
         packed = torch.stack([self._scalar(value) for value in totals.values()])
-        return WindowTotals(*all_reduce(packed).unbind())
+        if noise is not None:  # three more scalars in the same all-reduce
+            packed = torch.cat([packed, noise])
+        reduced = all_reduce(packed)
+        return WindowTotals(*reduced[:5].unbind()), (reduced[5:] if noise is not None else None)
 
     def _normalization(self, weights: Scalar, dropped: Scalar, world_size: int) -> Scalar:
         """The factor that turns the window's sum into the contract's gradient (docs/architecture.md).
@@ -820,9 +879,16 @@ class GradAccumulator:
         """Discard the open window (its buffers, and its gradients by default); lifetime counters are kept."""
         self._window.close()
         self._window = self._new_window()
+        if self._noise is not None:
+            self._noise.discard()
         if set_grads_to_none:
             for _, param in self._named:
                 param.grad = None
+
+    def remove_hooks(self) -> None:
+        """Remove the gradient hook of ``noise_scale=True`` (call it before replacing the accumulator)."""
+        if self._noise is not None:
+            self._noise.remove_hooks()
 
     # -------------------------------------------------------------------------------------- reporting
 
@@ -865,6 +931,7 @@ class GradAccumulator:
             "micro_batches_last_step": self._micro_batches_last_step,
             "peak_memory_bytes": self._peak_memory_bytes,
             **self._ledger.state_dict(),
+            **({"noise": self._noise.state_dict()} if self._noise is not None else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -885,6 +952,9 @@ class GradAccumulator:
             int(state.get("micro_batches_last_step", 0)),
             int(state.get("peak_memory_bytes", 0)),
         )
+        noise = state.get("noise")
+        if self._noise is not None and noise is not None:
+            self._noise.load_state_dict(noise)  # the averages go on where the saved run left them
         self._ledger.load_state_dict(state)  # all or nothing itself
         self._windows, self._total_micro_batches, self._micro_batches_last_step, self._peak_memory_bytes = (
             counters

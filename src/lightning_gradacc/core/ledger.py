@@ -45,13 +45,22 @@ STATISTICS = (
     Statistic("max_grad_norm_seen", "max"),
     Statistic("items_last_step", "last"),
     Statistic("window_loss", "last"),
+    Statistic("noise_scale", "last"),
+    Statistic("grad_sq_norm_estimate", "last"),
+    Statistic("trace_sigma_estimate", "last"),
 )
+UNMEASURED = ("window_loss", "noise_scale", "grad_sq_norm_estimate", "trace_sigma_estimate")  # nan at first
 NAMES = tuple(statistic.name for statistic in STATISTICS)
 COUNTERS = tuple(statistic.name for statistic in STATISTICS if statistic.fold == "sum")
 # old name in a 0.1 state -> name now
 RENAMED = {s.old_name: s.name for s in STATISTICS if s.old_name is not None} | {"optimizer_steps": "windows"}
 _FOLD = {statistic.name: statistic.fold for statistic in STATISTICS}
 _COUNTER_SET = frozenset(COUNTERS)
+
+
+def _initial() -> dict[str, float]:
+    """Every statistic before the first window: 0, or ``nan`` for what nothing has measured yet."""
+    return dict.fromkeys(NAMES, 0.0) | dict.fromkeys(UNMEASURED, math.nan)
 
 
 def _fold(fold: Fold, old: float, new: float) -> float:
@@ -78,8 +87,7 @@ class Ledger:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self._host = dict.fromkeys(NAMES, 0.0)
-        self._host["window_loss"] = math.nan
+        self._host = _initial()
         # windows not folded yet: (host values, names of device values, their stacked row)
         self._pending: list[tuple[dict[str, float], tuple[str, ...], Tensor]] = []
         self._deferred: dict[str, Deferred] = {}  # the newest value of a "last" field, not computed yet
@@ -193,8 +201,7 @@ class Ledger:
 
     def load_state_dict(self, state: Mapping[str, float]) -> None:
         """Restore saved statistics; a state saved by 0.1 (old names, no ``dropped_micro_batches``) loads."""
-        loaded = dict.fromkeys(NAMES, 0.0)
-        loaded["window_loss"] = math.nan
+        loaded = _initial()
         for name, value in state.items():
             name = RENAMED.get(name, name)
             if name in loaded:

@@ -7,11 +7,17 @@ saved under them still load (see :data:`~lightning_gradacc.core.ledger.RENAMED`)
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import asdict, dataclass
 
 
-@dataclass(frozen=True)
+def _comparable(value: float) -> object:
+    """``nan`` ("not measured") as a value equal to itself, for snapshot equality."""
+    return "nan" if isinstance(value, float) and math.isnan(value) else value
+
+
+@dataclass(frozen=True, eq=False)
 class AccumulationStats:
     """A snapshot of the accumulator's statistics.
 
@@ -42,6 +48,14 @@ class AccumulationStats:
             ``reset_peak_memory()`` was last called (the callback calls it after each logged step) (CUDA
             allocator peak on GPU, process resident-set peak on CPU). Measured when read: nothing is
             measured per window.
+        noise_scale: The gradient noise scale B_simple = tr(Σ) / |G|² in items (samples, tokens: what the
+            item counts count), from bias-corrected exponential averages of the two estimates below
+            (``noise_scale=True``; ``nan`` until a window of at least 2 micro-batches gave one). It
+            predicts the critical batch size (McCandlish et al. 2018).
+        grad_sq_norm_estimate: The last window's unbiased estimate of |G|², the squared norm of the true
+            gradient (may be negative: it is a noisy estimate).
+        trace_sigma_estimate: The last window's unbiased estimate of tr(Σ), the summed variance of one
+            item's gradient (may be negative).
 
     Example:
         >>> stats = AccumulationStats(accumulation_steps=4, windows=3, skipped_steps=1)
@@ -65,11 +79,26 @@ class AccumulationStats:
     num_parameters: int = 0
     buffer_bytes: int = 0
     peak_memory_bytes: int = 0
+    noise_scale: float = math.nan
+    grad_sq_norm_estimate: float = math.nan
+    trace_sigma_estimate: float = math.nan
 
     @property
     def steps_taken(self) -> int:
         """Windows that ended in an optimizer step."""
         return self.windows - self.skipped_steps - self.empty_windows
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field; two snapshots that both did not measure something (``nan``) agree on it."""
+        if not isinstance(other, AccumulationStats):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple[object, ...]:
+        return tuple(_comparable(value) for value in asdict(self).values())
 
     def as_dict(self) -> dict[str, int | float]:
         """Return the fields by name, in declaration order, and ``steps_taken``."""

@@ -199,6 +199,30 @@ def resolve_accumulation_dtype(value: str | torch.dtype | None) -> torch.dtype |
     return dtype
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool.
+
+    Example:
+        >>> check_bool("noise_scale", True)
+        True
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"Expected argument `{name}` to be True or False, but got {value!r}.")
+    return value
+
+
+def check_decay(name: str, value: Any) -> float:
+    """``value`` as a float in [0, 1): the weight an exponential average keeps of its past.
+
+    Example:
+        >>> check_decay("noise_scale_decay", 0.9)
+        0.9
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"Expected argument `{name}` to be a number in [0, 1), but got {value!r}.")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class AccumulationSettings:
     """The math settings shared by ``GradAccumulator`` and the callback, checked and normalized once.
@@ -216,6 +240,8 @@ class AccumulationSettings:
     overflow: str = "skip"
     accumulation_dtype: torch.dtype | None = None
     clip_mode: str = "step"
+    noise_scale: bool = False
+    noise_scale_decay: float = 0.95
 
     @classmethod
     def checked(
@@ -229,6 +255,8 @@ class AccumulationSettings:
         overflow: Any = "skip",
         accumulation_dtype: Any = None,
         clip_mode: Any = "step",
+        noise_scale: Any = False,
+        noise_scale_decay: Any = 0.95,
     ) -> AccumulationSettings:
         """Check every argument (naming it and its value in the error) and the combinations."""
         settings = cls(
@@ -240,7 +268,16 @@ class AccumulationSettings:
             overflow=check_overflow(overflow),
             accumulation_dtype=resolve_accumulation_dtype(accumulation_dtype),
             clip_mode=check_clip_mode(clip_mode),
+            noise_scale=check_bool("noise_scale", noise_scale),
+            noise_scale_decay=check_decay("noise_scale_decay", noise_scale_decay),
         )
+        per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
+        if settings.noise_scale and per_micro_batch:
+            raise ValueError(
+                "`noise_scale=True` cannot be combined with `overflow='skip_micro_batch'` or"
+                " `clip_mode='micro_batch'`: they drop or clip single micro-batches, so the window's gradient"
+                " is no longer the mean of the micro-batch gradients the estimate compares it with."
+            )
         check_buffer_settings(
             settings.overflow, settings.clip_mode, settings.accumulation_dtype, settings.max_grad_norm
         )
