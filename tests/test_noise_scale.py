@@ -1,0 +1,257 @@
+"""The gradient noise scale against the truth.
+
+A fixed model (learning rate 0: the parameters never move) on a finite data set sampled with replacement:
+its per-sample gradients, computed exactly with ``torch.func``, give the true |G|² (the squared norm of
+their mean) and tr(Σ) (their summed variance). The per-step estimates of a real ``Trainer.fit``, averaged
+over many windows, must match them within 4 standard errors of that average, which itself is at most a
+few percent of the truth: with K micro-batches on one process, with 2 DDP processes, and with micro-batches
+of unequal sizes weighted by their items.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+from lightning_gradacc import GradAccumulator, GradientAccumulationCallback
+from lightning_gradacc.core.noise import NoiseScale, estimate
+from tests import helpers as h
+
+SAMPLES = 256
+K = 4
+WINDOWS = 2000  # the averages' standard errors: about 2% of the truth
+
+
+def _data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, 5, generator=generator)
+    y = x @ torch.randn(5, 1, generator=generator) + 0.5 * torch.randn(SAMPLES, 1, generator=generator)
+    return TensorDataset(x, y)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(5, 1)
+
+
+def _loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (net(x) - y).pow(2).mean()  # a mean over the micro-batch's items
+
+
+def truth() -> tuple[float, float]:
+    """|G|² and tr(Σ) of the per-sample gradients of the whole data set (sampling with replacement)."""
+    net = _net()
+    x, y = _data().tensors
+    params = {name: p.detach() for name, p in net.named_parameters()}
+
+    def one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (functional_call(net, p, (xi[None],)) - yi[None]).pow(2).sum()
+
+    per_sample = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+    flat = torch.cat([g.reshape(SAMPLES, -1) for g in per_sample.values()], dim=1).double()
+    mean = flat.mean(dim=0)
+    return float(mean @ mean), float((flat - mean).pow(2).sum(dim=1).mean())
+
+
+class ReplacementBatches(Sampler[list[int]]):
+    """Micro-batches of the given sizes (cycled), each drawn with replacement: i.i.d. samples."""
+
+    def __init__(self, sizes: list[int], batches: int, seed: int) -> None:
+        self.sizes, self.batches, self.seed = sizes, batches, seed
+        self.sampler = self  # Lightning calls `batch_sampler.sampler.set_epoch` at each epoch
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls it: other samples in another epoch
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        generator = torch.Generator().manual_seed(self.seed + 1000 * getattr(self, "epoch", 0))
+        for index in range(self.batches):
+            size = self.sizes[index % len(self.sizes)]
+            yield torch.randint(0, SAMPLES, (size,), generator=generator).tolist()
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+class FixedModel(pl.LightningModule):
+    def __init__(self, sizes: list[int], windows: int) -> None:
+        super().__init__()
+        self.net = _net()
+        self.sizes, self.windows = sizes, windows
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return _loss(self.net, *batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = ReplacementBatches(self.sizes, K * self.windows, seed=1 + self.global_rank)
+        return DataLoader(_data(), batch_sampler=sampler)
+
+
+class Estimates(pl.Callback):
+    """Reads the per-step estimates after every optimizer step (a sync each: a test only)."""
+
+    def __init__(self, out: Path | None = None) -> None:
+        self.out = out
+        self.rows: list[tuple[float, float, float]] = []
+        self.steps = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.steps:
+            return
+        self.steps = trainer.global_step
+        stats = next(c for c in trainer.callbacks if isinstance(c, GradientAccumulationCallback)).stats  # type: ignore[attr-defined]
+        self.rows.append((stats.grad_sq_norm_estimate, stats.trace_sigma_estimate, stats.noise_scale))
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.out is not None and trainer.global_rank == 0:
+            torch.save(self.rows, self.out)
+
+
+def fit(sizes: list[int], windows: int, scaling: str = "mean", **trainer_options: Any) -> Estimates:
+    estimates = Estimates(trainer_options.pop("out", None))
+    callback = GradientAccumulationCallback(K, scaling=scaling, noise_scale=True)  # type: ignore[arg-type]
+    trainer = h.trainer(callbacks=[callback, estimates], use_distributed_sampler=False, **trainer_options)
+    trainer.fit(FixedModel(sizes, windows))
+    return estimates
+
+
+def check_against_truth(rows: list[tuple[float, float, float]], windows: int) -> None:
+    true_g, true_trace = truth()
+    estimates = torch.tensor([row[:2] for row in rows], dtype=torch.float64)
+    assert len(estimates) == windows and bool(torch.isfinite(estimates).all())
+    mean = estimates.mean(dim=0)
+    standard_error = estimates.std(dim=0) / math.sqrt(windows)
+    for got, error, want in zip(mean.tolist(), standard_error.tolist(), (true_g, true_trace), strict=True):
+        assert error < 0.03 * want  # the average is precise enough to test anything
+        assert abs(got - want) < 4 * error, (got, want, error)
+    noise_scale = rows[-1][2]  # smoothed over ~20 steps: a trend, checked loosely
+    assert 0.3 * true_trace / true_g < noise_scale < 3 * true_trace / true_g
+
+
+def test_the_truth_is_not_trivial() -> None:
+    """The data set's noise scale is of the order of the windows' batch sizes (4 to 32 items)."""
+    true_g, true_trace = truth()
+    assert 2 < true_trace / true_g < 50
+
+
+@pytest.mark.slow
+def test_estimates_match_the_truth_with_k_micro_batches() -> None:
+    check_against_truth(fit([4], windows=WINDOWS).rows, WINDOWS)
+
+
+@pytest.mark.slow
+def test_estimates_match_the_truth_with_unequal_weighted_micro_batches() -> None:
+    check_against_truth(fit([2, 3, 7], windows=WINDOWS, scaling="weighted").rows, WINDOWS)
+
+
+@pytest.mark.slow
+def test_estimates_match_the_truth_with_unequal_micro_batches_averaged() -> None:
+    """``"mean"`` over unequal micro-batches: the window's weights are 1/n, not the items'."""
+    check_against_truth(fit([2, 3, 7], windows=WINDOWS).rows, WINDOWS)
+
+
+@pytest.mark.slow
+def test_estimates_match_the_truth_across_two_ddp_processes(tmp_path: Path) -> None:
+    out = tmp_path / "rows.pt"
+    fit([4], windows=WINDOWS // 2, strategy="ddp_spawn", devices=2, out=out)
+    check_against_truth(torch.load(out), WINDOWS // 2)
+
+
+# ------------------------------------------------------------------------------------------ pieces
+
+
+def test_the_estimate_of_two_micro_batches_by_hand() -> None:
+    """Micro-batches of 1 item with gradients 1 and 3 (mean 2): S = 5, |G_W|² = 4, β_S = 1, β_W = 1/2."""
+    assert estimate(10.0, 2.0, 2.0, 4.0, 0.5) == (3.0, 2.0)
+    g, t = estimate(torch.tensor(10.0), torch.tensor(2.0), torch.tensor(2.0), torch.tensor(4.0), 0.5)
+    assert (float(g), float(t)) == (3.0, 2.0)  # device scalars: the same arithmetic, no sync
+
+
+@pytest.mark.parametrize("count", [1.0, torch.tensor(1.0)])
+def test_a_window_of_one_micro_batch_gives_no_estimate(count: Any) -> None:
+    g, t = estimate(4.0 if isinstance(count, float) else torch.tensor(4.0), 1.0, count, 4.0, 1.0)
+    assert math.isnan(float(g)) and math.isnan(float(t))
+
+
+def test_the_averages_skip_windows_without_an_estimate() -> None:
+    noise = NoiseScale(0.5, torch.device("cpu"), torch.float64)
+    first = noise.update([10.0, 2.0, 2.0, 2.0], 4.0, weighted=False, items=2.0)
+    assert (first.grad_sq_norm, first.trace_sigma, first.noise_scale) == (3.0, 2.0, 2.0 / 3.0)
+    nothing = noise.update([4.0, 1.0, 1.0, 1.0], 4.0, weighted=False, items=1.0)  # one micro-batch
+    assert math.isnan(nothing.grad_sq_norm) and nothing.noise_scale == 2.0 / 3.0
+    noise.load_state_dict(noise.state_dict())
+    assert noise.noise_scale() == 2.0 / 3.0
+
+
+def test_the_hook_sees_each_micro_batch_and_undoes_its_scales() -> None:
+    """The incoming gradient carries the item weight and the loss scale: |g|² comes out unscaled."""
+    weight = nn.Parameter(torch.zeros(2))
+    accumulator = GradAccumulator([weight], 2, scaling="weighted", noise_scale=True)
+    accumulator.loss_scale = 0.25
+    for items, gradient in ((2, torch.tensor([1.0, 0.0])), (6, torch.tensor([0.0, 2.0]))):
+        loss = (weight * gradient).sum()
+        count = accumulator.weigh(items)
+        count.weigh_loss(loss * accumulator.loss_scale).backward()
+        accumulator.record(count)
+    accumulator.finalize()
+    stats = accumulator.stats
+    # S = (2·1 + 6·4)/8 = 3.25, G_W = (2·g1 + 6·g2)/8 = (0.25, 1.5): |G_W|² = 2.3125; β_S = 2/8, β_W = 1/8
+    trace = (3.25 - 2.3125) / (2 / 8 - 1 / 8)
+    assert stats.trace_sigma_estimate == pytest.approx(trace, rel=1e-6)
+    assert stats.grad_sq_norm_estimate == pytest.approx(2.3125 - trace / 8, rel=1e-6)
+    accumulator.remove_hooks()
+    (weight * 2).sum().backward()  # no hook left: nothing pending
+    assert accumulator._noise is not None and accumulator._noise._pending is None
+
+
+def test_noise_scale_refuses_what_breaks_its_assumptions() -> None:
+    with pytest.raises(
+        ValueError, match="`noise_scale=True` cannot be combined with `overflow='skip_micro_batch'`"
+    ):
+        GradientAccumulationCallback(
+            4, noise_scale=True, overflow="skip_micro_batch", accumulation_dtype="float32"
+        )
+    with pytest.raises(ValueError, match=r"`noise_scale_decay` to be a number in \[0, 1\), but got 1.0"):
+        GradientAccumulationCallback(4, noise_scale=True, noise_scale_decay=1.0)
+    with pytest.raises(TypeError, match="`noise_scale` to be True or False, but got 'yes'"):
+        GradientAccumulationCallback(4, noise_scale="yes")  # type: ignore[arg-type]
+
+
+def test_one_micro_batch_per_window_warns_that_nothing_is_estimated() -> None:
+    callback = GradientAccumulationCallback(1, noise_scale=True)
+    trainer = h.trainer(callbacks=[callback])
+    with pytest.warns(UserWarning, match="`noise_scale=True` needs at least 2 micro-batches per window"):
+        trainer.fit(h.RegressionModule(h.regression_data(8)))
+    assert math.isnan(callback.stats.noise_scale)
+
+
+def test_the_averages_survive_a_checkpoint(tmp_path: Path) -> None:
+    """Two epochs in one fit, or one fit of one epoch resumed for the second: the same averages (without
+    them restored the resumed run starts its averages afresh and ends elsewhere)."""
+
+    def run(epochs: int, ckpt_path: Path | None = None) -> GradientAccumulationCallback:
+        callback = GradientAccumulationCallback(K, noise_scale=True)
+        trainer = h.trainer(callbacks=[callback], max_epochs=epochs, use_distributed_sampler=False)
+        trainer.fit(FixedModel([4], windows=10), ckpt_path=ckpt_path)
+        if ckpt_path is None and epochs == 1:
+            trainer.save_checkpoint(tmp_path / "epoch.ckpt")
+        return callback
+
+    uninterrupted = run(2).stats
+    first = run(1).stats
+    resumed = run(2, tmp_path / "epoch.ckpt").stats
+    assert math.isfinite(uninterrupted.noise_scale)
+    assert resumed.noise_scale == pytest.approx(uninterrupted.noise_scale, rel=1e-12)
+    assert first.noise_scale != pytest.approx(uninterrupted.noise_scale, rel=1e-3)
