@@ -213,7 +213,7 @@ def test_the_hook_sees_each_micro_batch_and_undoes_its_scales() -> None:
     assert stats.grad_sq_norm_estimate == pytest.approx(2.3125 - trace / 8, rel=1e-6)
     accumulator.remove_hooks()
     (weight * 2).sum().backward()  # no hook left: nothing pending
-    assert accumulator._noise is not None and accumulator._noise._pending is None
+    assert accumulator._noise is not None and not accumulator._noise._parts
 
 
 def test_noise_scale_refuses_what_breaks_its_assumptions() -> None:
@@ -255,3 +255,23 @@ def test_the_averages_survive_a_checkpoint(tmp_path: Path) -> None:
     assert math.isfinite(uninterrupted.noise_scale)
     assert resumed.noise_scale == pytest.approx(uninterrupted.noise_scale, rel=1e-12)
     assert first.noise_scale != pytest.approx(uninterrupted.noise_scale, rel=1e-3)
+
+
+def test_measuring_one_window_in_three_hooks_only_those() -> None:
+    net = _net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
+    accumulator = GradAccumulator(net.parameters(), 2, noise_scale=True, noise_scale_every=3)
+    x, y = _data().tensors
+    measured, hooked = [], []
+    for window in range(7):
+        noise = accumulator._noise
+        assert noise is not None
+        hooked.append(noise.watching)
+        for index in range(2):
+            rows = slice(8 * (2 * window + index), 8 * (2 * window + index + 1))
+            accumulator.backward(_loss(net, x[rows], y[rows]), items=8)
+        accumulator.step(optimizer)
+        measured.append(math.isfinite(accumulator.stats.trace_sigma_estimate))
+    assert hooked == measured == [True, False, False, True, False, False, True]
+    accumulator.remove_hooks()
+    assert not accumulator._noise.watching  # type: ignore[union-attr]

@@ -204,6 +204,7 @@ class GradientAccumulationLogic(_LogicBase):
             (|G|²) and ``grad_accum/trace_sigma_estimate`` (tr Σ). Needs K x ranks >= 2; single device and
             DDP only.
         noise_scale_decay: Of the exponential averages of |G|² and tr Σ before their ratio is taken.
+        noise_scale_every: Measure one optimizer step in this many (the others cost nothing).
 
     Attributes:
         plan: How K is chosen, as configured (:class:`~lightning_gradacc.schedule.AccumulationPlan`); each
@@ -244,6 +245,7 @@ class GradientAccumulationLogic(_LogicBase):
         ] = "every_micro_batch",
         noise_scale: bool = False,
         noise_scale_decay: float = 0.95,
+        noise_scale_every: int = 1,
     ) -> None:
         self.plan = AccumulationPlan(accumulation_steps, target_batch_size)
         if sharded_reduction not in REDUCTIONS:
@@ -263,6 +265,7 @@ class GradientAccumulationLogic(_LogicBase):
             clip_mode=clip_mode,
             noise_scale=noise_scale,
             noise_scale_decay=noise_scale_decay,
+            noise_scale_every=noise_scale_every,
         )
         if item_count_fn is not None:
             if not callable(item_count_fn):

@@ -133,7 +133,9 @@ class GradAccumulator:
             gradient hook per backward (a fused norm pass, no sync, no memory) and three scalars in the
             boundary's all-reduce. Needs at least 2 micro-batches per window (over ranks); not with
             sharded gradients, ``overflow="skip_micro_batch"`` or ``clip_mode="micro_batch"``.
-        noise_scale_decay: Of the exponential averages of |G|² and tr(Σ) (0.95: about 20 steps).
+        noise_scale_decay: Of the exponential averages of |G|² and tr(Σ) (0.95: about 20 measured steps).
+        noise_scale_every: Measure one window in this many (the others cost nothing; the estimates stay
+            unbiased, with fewer samples).
         settings: The math settings above, already checked (instead of passing them one by one).
         fsdp_module: The model wrapped by FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``) whose
             parameters these are: their gradients are flat slices of the whole, and their norms are combined
@@ -179,6 +181,7 @@ class GradAccumulator:
         clip_mode: str = "step",
         noise_scale: bool = False,
         noise_scale_decay: float = 0.95,
+        noise_scale_every: int = 1,
         grad_scaler: Any = None,
         settings: AccumulationSettings | None = None,
         fsdp_module: torch.nn.Module | None = None,
@@ -195,6 +198,7 @@ class GradAccumulator:
             clip_mode=clip_mode,
             noise_scale=noise_scale,
             noise_scale_decay=noise_scale_decay,
+            noise_scale_every=noise_scale_every,
         )
         if settings is None:
             settings = AccumulationSettings.checked(**given)
@@ -236,7 +240,6 @@ class GradAccumulator:
                     " reach the shards by reduce-scatter, never through a gradient hook."
                 )
             self._noise = NoiseScale(settings.noise_scale_decay, self.device, self._ledger_dtype)
-            self._noise.watch(self.parameters)
         self._memory = WindowPeakMemory(self.device)  # reset when the statistics are read, not per window
         self._memory.start()
         self._weighting = ItemWeighting(settings.scaling == "weighted", self._scalar, self._world)
@@ -295,7 +298,7 @@ class GradAccumulator:
             self._buffers.retrack(named)
         self._named = named
         self._layouts()
-        if self._noise is not None:
+        if self._noise is not None and self._noise.watching:
             self._noise.watch(self.parameters)
 
     @property
@@ -308,6 +311,11 @@ class GradAccumulator:
     def _new_window(self) -> Window:
         if self._buffers is not None:
             self._buffers.discard()
+        if self._noise is not None:  # hooked only for the windows that are measured
+            if self._windows % self.settings.noise_scale_every == 0:
+                self._noise.watch(self.parameters)
+            else:
+                self._noise.remove_hooks()
         return Window(
             buffered=self._buffers is not None,
             loss_scale=self._loss_scale,
@@ -756,7 +764,6 @@ class GradAccumulator:
         """The window's noise-scale estimates (``noise_scale=True``), folded into the averages."""
         if self._noise is None or measured.noise is None:
             return {}
-        self._noise.watch(self.parameters)  # a layer unfrozen without `track`: watched from now on
         noise = measured.noise
         parts: list[Scalar] = list(noise.unbind()) if isinstance(noise, Tensor) else list(noise)
         # the window's mean gradient: "sum" is k times the mean over every rank's micro-batches

@@ -17,10 +17,11 @@ For n equal micro-batches of b items these are tr(Σ) ≈ b·n·(S - |G_W|²)/(n
 |G|² ≈ (n·|G_W|² - S)/(n - 1). Per-window estimates are noisy and may be negative; they are averaged
 separately (bias-corrected exponential averages) before their ratio is taken.
 
-The small norms come from one gradient hook on the parameters (``register_multi_grad_hook``): it sees
-each backward's incoming gradient before it is added to ``.grad`` (before DDP reduces it), squares its
-norm in one fused pass and keeps a device scalar. No extra memory, no host sync; the scales the gradient
-carries (item weight, loss scale 1/K, AMP scale) are divided out when the micro-batch is recorded.
+The small norms come from a gradient hook on each parameter: it sees the backward's incoming gradient
+before it is added to ``.grad`` (before DDP reduces it) and takes its norm at once, a device scalar (no
+host sync, and no gradient kept alive: ``register_multi_grad_hook`` would hold every incoming gradient
+until the last one arrives, up to one gradient of extra memory). The scales the gradient carries (item
+weight, loss scale 1/K, AMP scale) are divided out when the micro-batch is recorded.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-
-from .kernels import group_by_device_and_dtype, tensor_norms
 
 Scalar = float | Tensor
 
@@ -123,8 +122,8 @@ class NoiseScale:
         self.decay = decay
         self.device = device
         self.dtype = dtype
-        self._pending: Tensor | None = None  # |incoming gradient|² of the backward not yet recorded
-        self._handle: Any = None
+        self._parts: list[Tensor] = []  # the norms of the incoming gradients of the backward not recorded
+        self._handles: list[Any] = []
         self._watched: tuple[int, ...] = ()
         self.discard()
         self.average_grad_sq_norm: Scalar = 0.0  # exponential averages, not yet bias-corrected
@@ -141,23 +140,22 @@ class NoiseScale:
             return
         self.remove_hooks()
         self._watched = key
-        if watched:
-            self._handle = torch.autograd.graph.register_multi_grad_hook(watched, self._on_gradients)
+        self._handles = [param.register_hook(self._on_gradient) for param in watched]  # type: ignore[no-untyped-call]
+
+    @property
+    def watching(self) -> bool:
+        """Whether the hooks are in place."""
+        return bool(self._handles)
 
     def remove_hooks(self) -> None:
-        """Remove the gradient hook (a replaced accumulator must not keep measuring)."""
-        if self._handle is not None:
-            self._handle.remove()
-        self._handle = None
+        """Remove the gradient hooks (a replaced accumulator must not keep measuring)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         self._watched = ()
 
-    def _on_gradients(self, grads: Sequence[Tensor | None]) -> None:
-        present = [g for g in grads if g is not None]
-        if not present:
-            return
-        norms = tensor_norms(group_by_device_and_dtype(present), 2.0, device=self.device)
-        squared = torch.stack([n.to(self.dtype) for n in norms]).square().sum()
-        self._pending = squared if self._pending is None else self._pending + squared
+    def _on_gradient(self, grad: Tensor) -> None:
+        self._parts.append(torch.linalg.vector_norm(grad))  # one kernel; the gradient is not kept
 
     def record(self, items: float | Tensor | None, weight: Scalar, scale: Scalar) -> None:
         """Count the backward just run; no sync, and with host numbers one kernel.
@@ -167,10 +165,11 @@ class NoiseScale:
             weight: The factor its loss was multiplied by (``"weighted"``).
             scale: The loss scale times the AMP scale, which its gradient also carries.
         """
-        squared, self._pending = self._pending, None
+        parts, self._parts = self._parts, []
         count: Scalar = 1.0 if items is None else items
-        if squared is None:  # nothing back-propagated into the watched parameters
+        if not parts:  # nothing back-propagated into the watched parameters
             return
+        squared = torch.stack(parts).to(self.dtype).square().sum()
         factor = weight * scale  # the gradient is factor x g_i
         if isinstance(count, Tensor) or isinstance(factor, Tensor):
             count_t = torch.as_tensor(count).to(device=self.device, dtype=self.dtype).reshape(())
@@ -204,15 +203,15 @@ class NoiseScale:
         return totals
 
     def discard_pending(self) -> None:
-        """Forget the last backward's norm without counting it (a re-evaluated micro-batch)."""
-        self._pending = None
+        """Forget the last backward's norms without counting them (a re-evaluated micro-batch)."""
+        self._parts = []
 
     def discard(self) -> None:
         """Forget the open window's micro-batches."""
         self._small: list[Tensor] = []  # per micro-batch: b |g|², a device scalar
         self._counts: list[Tensor] = []  # per micro-batch with a tensor count: (b, 1, 1/b)
         self._host_counts = [0.0, 0.0, 0.0]  # (Σ b, n, Σ 1/b) of the micro-batches with host counts
-        self._pending = None
+        self._parts = []
 
     # -------------------------------------------------------------------------------- per window
 

@@ -242,6 +242,7 @@ class AccumulationSettings:
     clip_mode: str = "step"
     noise_scale: bool = False
     noise_scale_decay: float = 0.95
+    noise_scale_every: int = 1
 
     @classmethod
     def checked(
@@ -257,6 +258,7 @@ class AccumulationSettings:
         clip_mode: Any = "step",
         noise_scale: Any = False,
         noise_scale_decay: Any = 0.95,
+        noise_scale_every: Any = 1,
     ) -> AccumulationSettings:
         """Check every argument (naming it and its value in the error) and the combinations."""
         settings = cls(
@@ -270,6 +272,7 @@ class AccumulationSettings:
             clip_mode=check_clip_mode(clip_mode),
             noise_scale=check_bool("noise_scale", noise_scale),
             noise_scale_decay=check_decay("noise_scale_decay", noise_scale_decay),
+            noise_scale_every=check_positive_int("noise_scale_every", noise_scale_every),
         )
         per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
         if settings.noise_scale and per_micro_batch:
