@@ -248,18 +248,24 @@ def main(out: Path) -> None:
             counts = (stats.windows, stats.skipped_steps, stats.non_finite_windows, stats.clipped_steps)
             collectives = (reduce_scatters[0], all_reduces[0])
             torch.save((full, counts, trainer.global_step, collectives), out / f"{name}.pt")
-    if STRATEGY != "model_parallel":  # refused by FSDP1 at train start, on both ranks
-        refused = {
-            "buffers_window_end": {"accumulation_dtype": "float64", "sharded_reduction": "window_end"},
-            "replicas_at_window_end": {"sharded_reduction": "replicas_at_window_end"},
-        }
-        for name, options in refused.items():
-            try:
-                sharded_trainer(GradientAccumulationCallback(K, **options)).fit(
-                    ShardedModule(nan_on_one_rank=False, weighted=False)
-                )
-            except RuntimeError as error:
-                (out / f"refused-{name}-{trainer.global_rank}.txt").write_text(str(error))
+    refused: dict[str, dict[str, Any]] = {  # refused at train start, on both ranks
+        "micro_batch_window_end": {
+            "clip_mode": "micro_batch",
+            "max_grad_norm": 0.05,
+            "accumulation_dtype": "float64",
+            "sharded_reduction": "window_end",
+        },
+    }
+    if STRATEGY != "model_parallel":  # FSDP1 only
+        refused["buffers_window_end"] = {"accumulation_dtype": "float64", "sharded_reduction": "window_end"}
+        refused["replicas_at_window_end"] = {"sharded_reduction": "replicas_at_window_end"}
+    for name, options in refused.items():
+        try:
+            sharded_trainer(GradientAccumulationCallback(K, **options)).fit(
+                ShardedModule(nan_on_one_rank=False, weighted=False)
+            )
+        except RuntimeError as error:
+            (out / f"refused-{name}-{trainer.global_rank}.txt").write_text(str(error))
     for state_dict_type in ("sharded", "full") if STRATEGY == "fsdp_cuda" else ("sharded",):
         resume(out, state_dict_type)
 

@@ -37,6 +37,17 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "narrow_inf_clip": {"max_grad_norm": 0.01, "norm_type": float("inf")},
     "narrow_clip_value": {"clip_value": 0.01},
 }
+# Checked micro-batch by micro-batch: with FSDP a micro-batch is index i of every rank (reduced together)
+PER_MICRO_BATCH: dict[str, dict[str, Any]] = {
+    "skip_micro_batch": {"overflow": "skip_micro_batch", "accumulation_dtype": "float64"},
+    "clip_micro_batch": {"clip_mode": "micro_batch", "max_grad_norm": 0.05, "accumulation_dtype": "float64"},
+    "clip_micro_batch_weighted": {
+        "clip_mode": "micro_batch",
+        "max_grad_norm": 0.05,
+        "accumulation_dtype": "float64",
+        "scaling": "weighted",
+    },
+}
 NARROW = {"narrow_inf_clip", "narrow_clip_value"}
 
 
@@ -109,7 +120,7 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
     if kind == "hsdp":  # 2 replicas of 1 shard: the norms must be combined over the shard dimension only
         mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
     results: dict[str, Any] = {}
-    for name, options in SCENARIOS.items():
+    for name, options in {**SCENARIOS, **PER_MICRO_BATCH}.items():
         outputs = 1 if name in NARROW else 3
         net = _sharded_net(mesh, outputs)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
@@ -119,9 +130,10 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
             for index in range(K):
                 x, y = _micro_batch(rank, window, index, weighted, outputs)
                 loss = nn.functional.mse_loss(net(x), y)
-                if name == "nan_on_one_rank" and rank == 1 and window == 1 and index == 0:
+                nan_here = rank == 1 and window == 1 and index == 0
+                if name in ("nan_on_one_rank", "skip_micro_batch") and nan_here:
                     loss = loss * float("nan")
-                if kind == "hsdp":  # all-reduce across replicas at the window's last backward only
+                if kind == "hsdp" and name in SCENARIOS:  # all-reduce across replicas at the window's end
                     net.set_requires_all_reduce(index == K - 1)
                 accumulator.backward(loss, items=len(x))
             accumulator.step(optimizer)
@@ -261,6 +273,52 @@ def fsdp_results(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtu
     results = torch.load(out, weights_only=True)
     results["kind"] = request.param
     return results
+
+
+def _reference_per_micro_batch(options: dict[str, Any], world: int, drop: tuple[int, int] | None) -> dict:
+    """One step per window; micro-batch i of every rank as one gradient, clipped on its own (clip_mode
+    "micro_batch") or dropped (``drop``: (window, index)); the window's gradient their mean, by items for
+    "weighted"."""
+    net = _net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    weighted = options.get("scaling") == "weighted"
+    for window in range(WINDOWS):
+        total = [torch.zeros_like(p) for p in net.parameters()]
+        kept_items, kept = 0, 0
+        for index in range(K):
+            if (window, index) == drop:
+                continue
+            pairs = [_micro_batch(rank, window, index, weighted) for rank in range(world)]
+            x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+            net.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            if options.get("clip_mode") == "micro_batch":
+                torch.nn.utils.clip_grad_norm_(net.parameters(), options["max_grad_norm"])
+            factor = len(x) if weighted else 1
+            for t, p in zip(total, net.parameters(), strict=True):
+                t.add_(p.grad, alpha=factor)
+            kept_items, kept = kept_items + len(x), kept + 1
+        for t, p in zip(total, net.parameters(), strict=True):
+            p.grad = t / (kept_items if weighted else kept)
+        optimizer.step()
+    return {n: p.detach() for n, p in net.named_parameters()}
+
+
+@pytest.mark.parametrize("scenario", list(PER_MICRO_BATCH))
+def test_sharded_micro_batches_are_checked_and_clipped_each(
+    fsdp_results: dict[str, Any], scenario: str
+) -> None:
+    full, windows, skipped, non_finite, clipped, _ = fsdp_results[scenario]
+    world = _world(fsdp_results["kind"])
+    drop = (1, 0) if scenario == "skip_micro_batch" else None
+    expected = _reference_per_micro_batch(PER_MICRO_BATCH[scenario], world, drop)
+    assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
+    assert (windows, skipped, non_finite) == (WINDOWS, 0, 0)
+    if scenario.startswith("clip"):
+        assert clipped > 0
+        options = {**PER_MICRO_BATCH[scenario], "clip_mode": "step"}
+        unclipped = _reference_per_micro_batch(options, world, None)
+        assert max(float((expected[n] - unclipped[n]).abs().max()) for n in expected) > 1e-3
 
 
 @pytest.mark.parametrize("scenario", [name for name in SCENARIOS if name != "nan_on_one_rank"])

@@ -526,10 +526,11 @@ class GradientAccumulationLogic(_LogicBase):
         per_micro_batch = (
             self.settings.overflow == "skip_micro_batch" or self.settings.clip_mode == "micro_batch"
         )
-        if sync.sharded and per_micro_batch:
+        if sync.defers and per_micro_batch:
             raise RuntimeError(
-                "`overflow='skip_micro_batch'` and `clip_mode='micro_batch'` are not supported with sharded"
-                " (FSDP) gradients yet: a micro-batch's own norm would need its shards' norms combined."
+                "`overflow='skip_micro_batch'` and `clip_mode='micro_batch'` check each micro-batch's reduced"
+                f" gradient, but with `sharded_reduction={self.sharded_reduction!r}` FSDP holds it unsynced"
+                " until the window's last backward. Use `sharded_reduction='every_micro_batch'`."
             )
         if sync.defers and sync.fsdp1 and self.settings.accumulation_dtype is not None:
             raise RuntimeError(

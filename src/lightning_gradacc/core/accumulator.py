@@ -29,7 +29,7 @@ from .boundary import Decision, Flag, Norms, apply_, both, decide, either, negat
 from .buffers import GradBuffers
 from .checkpoint import FORMAT_VERSION, READABLE_VERSIONS, load_open_window, save_open_window
 from .errors import GradientOverflowError
-from .kernels import GroupKey, non_finite_names, tensor_norms
+from .kernels import GroupKey, combine_norms, non_finite_names, tensor_norms
 from .ledger import COUNTERS, Ledger
 from .memory import WindowPeakMemory
 from .micro_batch import absorb_micro_batch
@@ -234,7 +234,7 @@ class GradAccumulator:
         self._ledger = Ledger(self._ledger_dtype)
         self._noise: NoiseScale | None = None
         if settings.noise_scale:
-            if self._flat_sharded or any(g is not None for g in local_shards(self.parameters)[1]):
+            if self._sharded:
                 raise NotImplementedError(
                     "`noise_scale=True` is not supported with sharded (FSDP) parameters yet: their gradients"
                     " reach the shards by reduce-scatter, never through a gradient hook."
@@ -636,9 +636,18 @@ class GradAccumulator:
             for (name, _), tensor in zip(self._named, sources, strict=True):
                 if tensor is not None and tensor.is_sparse:
                     raise TypeError(f"Sparse gradients are not supported (parameter `{name}`).")
-        if (
-            window.sums_in_buffers
-        ):  # buffers hold local shards already; the parameters say how they are spread
+        grads, in_group_order = self._local_layout(sources, layout, already_local=window.sums_in_buffers)
+        return sources, grads, in_group_order
+
+    def _local_layout(
+        self, sources: list[Tensor | None], layout: dict[GroupKey, list[int]], *, already_local: bool
+    ) -> tuple[dict[GroupKey, list[Tensor]], list[Any] | None]:
+        """``sources`` (one per tracked parameter) as local tensors grouped by ``layout``, and their groups.
+
+        The second value gives, in group order, the process group of each sharded tensor (``None`` if
+        none is sharded).
+        """
+        if already_local:  # buffers hold local shards; the parameters say how they are spread
             local, groups = list(sources), local_shards([param for _, param in self._named])[1]
         else:
             local, groups = local_shards(sources)
@@ -650,9 +659,21 @@ class GradAccumulator:
                         local[index] = self._named[index][1].new_zeros(0)
         grads = {key: [t for i in ids if (t := local[i]) is not None] for key, ids in layout.items()}
         if not any(group is not None for group in groups):
-            return sources, grads, None
-        in_group_order = [groups[i] for ids in layout.values() for i in ids if local[i] is not None]
-        return sources, grads, in_group_order
+            return grads, None
+        return grads, [groups[i] for ids in layout.values() for i in ids if local[i] is not None]
+
+    @property
+    def _sharded(self) -> bool:
+        """Whether any tracked parameter is sharded (FSDP1 slices or FSDP2 ``DTensor``)."""
+        return self._flat_sharded or any(g is not None for g in local_shards(self.parameters)[1])
+
+    def _micro_batch_norm(self) -> Tensor:
+        """The total norm of ``.grad`` (one micro-batch), combined over shards: a device scalar, no sync."""
+        grads, groups = self._local_layout(
+            [param.grad for _, param in self._named], self._grad_groups, already_local=False
+        )
+        each = self._tensor_norms(grads, self.settings.norm_type, groups)
+        return combine_norms(each, self.settings.norm_type, device=self.device)
 
     def _tensor_norms(
         self, grads: dict[GroupKey, list[Tensor]], norm_type: float, shard_groups: list[Any] | None

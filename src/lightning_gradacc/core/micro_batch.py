@@ -34,12 +34,15 @@ def absorb_micro_batch(accumulator: GradAccumulator, count: ItemCount) -> Tensor
     multiplier: Tensor | None = None
     if settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch":
         grads = [param.grad for _, param in accumulator._named if param.grad is not None]
-        if accumulator._flat_sharded or any(group is not None for group in local_shards(grads)[1]):
-            raise NotImplementedError(
-                "`overflow='skip_micro_batch'` and `clip_mode='micro_batch'` are not supported with sharded"
-                " (FSDP) gradients yet: a micro-batch's own norm would need its shards' norms combined."
-            )
-        norm = total_norm(grads, settings.norm_type, device=accumulator.device, foreach=accumulator.foreach)
+        # Sharded (FSDP, reduced every micro-batch): `.grad` holds this rank's shard of micro-batch i of
+        # every rank, averaged; its norm is combined over the shards (one small collective, no sync), so
+        # the check and the clip act on that global micro-batch, the same on every rank.
+        sharded = accumulator._flat_sharded or any(group is not None for group in local_shards(grads)[1])
+        if sharded:
+            norm = accumulator._micro_batch_norm()
+        else:
+            device, foreach = accumulator.device, accumulator.foreach
+            norm = total_norm(grads, settings.norm_type, device=device, foreach=foreach)
         finite = torch.isfinite(norm)
         if settings.overflow == "skip_micro_batch":
             bad = (~finite).to(accumulator._ledger_dtype)
@@ -52,11 +55,12 @@ def absorb_micro_batch(accumulator: GradAccumulator, count: ItemCount) -> Tensor
         if settings.clip_mode == "micro_batch":
             assert settings.max_grad_norm is not None
             # undo the loss's weight and scale; a weight of 0 leaves a zero gradient, nothing to clip
-            factor = (
-                (accumulator._scalar(count.weight).to(norm.dtype) * accumulator._gradient_scale())
-                .abs()
-                .clamp(min=1e-30)
-            )
+            weight = accumulator._scalar(count.weight)
+            _, all_reduce = accumulator._world.resolve()
+            if sharded and all_reduce is not None:  # the gradient is the ranks' mean: so is its weight
+                world_size, _ = accumulator._world.resolve()
+                weight = all_reduce(weight.reshape(1).clone()).reshape(()) / world_size
+            factor = (weight.to(norm.dtype) * accumulator._gradient_scale()).abs().clamp(min=1e-30)
             decision = decide(norm / factor, max_norm=settings.max_grad_norm)
             clipped = (decision.clipped & finite).to(accumulator._ledger_dtype)
             window.micro_clips = clipped if window.micro_clips is None else window.micro_clips + clipped
