@@ -187,9 +187,9 @@ def test_a_window_of_one_micro_batch_gives_no_estimate(count: Any) -> None:
 
 def test_the_averages_skip_windows_without_an_estimate() -> None:
     noise = NoiseScale(0.5, torch.device("cpu"), torch.float64)
-    first = noise.update([10.0, 2.0, 2.0, 2.0], 4.0, weighted=False, items=2.0)
+    first = noise.update([10.0, 2.0, 2.0, 2.0, 2.0, 0.0], 4.0, items=2.0)
     assert (first.grad_sq_norm, first.trace_sigma, first.noise_scale) == (3.0, 2.0, 2.0 / 3.0)
-    nothing = noise.update([4.0, 1.0, 1.0, 1.0], 4.0, weighted=False, items=1.0)  # one micro-batch
+    nothing = noise.update([4.0, 1.0, 1.0, 1.0, 1.0, 0.0], 4.0, items=1.0)  # one micro-batch
     assert math.isnan(nothing.grad_sq_norm) and nothing.noise_scale == 2.0 / 3.0
     noise.load_state_dict(noise.state_dict())
     assert noise.noise_scale() == 2.0 / 3.0
@@ -275,3 +275,152 @@ def test_measuring_one_window_in_three_hooks_only_those() -> None:
     assert hooked == measured == [True, False, False, True, False, False, True]
     accumulator.remove_hooks()
     assert not accumulator._noise.watching  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------- what must not bias the estimate
+
+
+def _plain_estimates(options: dict[str, Any], windows: int = 3, **run: Any) -> list[float]:
+    """Per-window |G|² and tr Σ, one after the other, of a plain loop over fixed micro-batches of 8 rows
+    (K=2, learning rate 0)."""
+    net = _net()
+    if run.get("dtype") is not None:
+        net = net.to(run["dtype"])
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
+    accumulator = GradAccumulator(net.named_parameters(), 2, noise_scale=True, **options)
+    x, y = _data().tensors
+    found = []
+    for window in range(windows):
+        for index in range(2):
+            rows = slice(8 * (2 * window + index), 8 * (2 * window + index + 1))
+            if run.get("penalty"):  # a gradient penalty's extra pass (weight 0: the same gradient)
+                loss = _loss(net, x[rows], y[rows])
+                grads = torch.autograd.grad(loss, list(net.parameters()), create_graph=True)
+                loss = loss + 0.0 * sum(g.pow(2).sum() for g in grads)
+            else:
+                loss = _loss(net, x[rows].to(net.weight.dtype), y[rows].to(net.weight.dtype))
+            items = run.get("items", lambda w, i: 8)(window, index)
+            accumulator.backward(loss, items=items)
+        accumulator.step(optimizer)
+        stats = accumulator.stats
+        found += [stats.grad_sq_norm_estimate, stats.trace_sigma_estimate]
+    accumulator.remove_hooks()
+    return found
+
+
+def test_the_estimate_uses_the_l2_norm_whatever_norm_clips() -> None:
+    """|G_W| is the L2 norm of the window's gradient even when `norm_type` (for clipping and the logged
+    norm) is 1 or inf; otherwise the estimate is silently wrong."""
+    reference = _plain_estimates({})
+    for norm_type in (1.0, math.inf):
+        for overflow in ("skip", "ignore"):  # the host-decided and the device-decided boundary
+            found = _plain_estimates({"norm_type": norm_type, "overflow": overflow})
+            assert found == pytest.approx(reference, rel=2e-6)  # fp32 norms: 5e-7 apart (1 or inf: 40%)
+
+
+def test_another_pass_through_the_hooks_is_not_taken_for_the_micro_batch() -> None:
+    """`torch.autograd.grad` on the parameters inside the step (a gradient penalty) fires the hooks too."""
+    assert _plain_estimates({}, penalty=True) == pytest.approx(_plain_estimates({}), rel=1e-6)
+
+
+def test_fp16_gradients_are_measured_in_fp32() -> None:
+    weight = nn.Parameter(torch.zeros(1000, dtype=torch.float16))
+    noise = NoiseScale(0.9, torch.device("cpu"), torch.float64)
+    noise.watch([weight])
+    noise.begin_backward()
+    (weight * 3000.0).sum().backward()  # a norm of ~94,868: inf in fp16
+    assert math.isfinite(float(noise._parts[0])) and float(noise._parts[0]) == pytest.approx(
+        94868.3, rel=1e-4
+    )
+    noise.remove_hooks()
+
+
+@pytest.mark.parametrize(
+    ("why", "items"),
+    [
+        (
+            "a micro-batch of 0 items under 'mean' (its gradient is 0, not a mean)",
+            lambda w, i: 0 if w == 1 else 8,
+        ),
+        ("counts known for some micro-batches only", lambda w, i: None if (w, i) == (1, 1) else 8),
+    ],
+)
+def test_a_window_that_cannot_be_measured_gives_no_estimate(why: str, items: Any) -> None:
+    found = _plain_estimates({}, items=items)
+    assert all(math.isfinite(v) for v in found[:2] + found[4:]), why
+    assert all(math.isnan(v) for v in found[2:4]), why
+
+
+def test_a_restored_window_gives_no_estimate_and_the_next_one_does() -> None:
+    """Micro-batches restored from a checkpoint have no recorded norms: with them in the window's gradient
+    but not in its counts the estimate would be biased, so the window is not measured."""
+    net = _net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
+    accumulator = GradAccumulator(net.named_parameters(), 3, noise_scale=True)
+    x, y = _data().tensors
+    batches = [(x[8 * i : 8 * (i + 1)], y[8 * i : 8 * (i + 1)]) for i in range(6)]
+    accumulator.backward(_loss(net, *batches[0]), items=8)
+    saved = accumulator.window_state_dict()
+    accumulator.remove_hooks()
+    resumed = GradAccumulator(net.named_parameters(), 3, noise_scale=True)
+    resumed.load_window_state_dict(saved)
+    for batch in batches[1:3]:  # two new micro-batches: enough for an estimate, were it not restored
+        resumed.backward(_loss(net, *batch), items=8)
+    resumed.step(optimizer)
+    assert math.isnan(resumed.stats.trace_sigma_estimate)
+    for batch in batches[3:]:
+        resumed.backward(_loss(net, *batch), items=8)
+    resumed.step(optimizer)
+    assert math.isfinite(resumed.stats.trace_sigma_estimate)
+    resumed.remove_hooks()
+
+
+def test_a_layer_unfrozen_inside_a_window_makes_it_unmeasured() -> None:
+    net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
+    net[0].requires_grad_(False)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
+    accumulator = GradAccumulator(net.named_parameters(), 2, noise_scale=True)
+    x, y = _data().tensors
+    accumulator.backward(_loss(net, x[:8], y[:8]), items=8)
+    net[0].requires_grad_(True)  # its first micro-batch had no hook on the layer
+    accumulator.backward(_loss(net, x[8:16], y[8:16]), items=8)
+    accumulator.step(optimizer)
+    assert math.isnan(accumulator.stats.trace_sigma_estimate)
+    for rows in (slice(16, 24), slice(24, 32)):
+        accumulator.backward(_loss(net, x[rows], y[rows]), items=8)
+    accumulator.step(optimizer)
+    assert math.isfinite(accumulator.stats.trace_sigma_estimate)  # hooked from the next window on
+    accumulator.remove_hooks()
+
+
+def test_a_dropped_accumulator_takes_its_hooks_along() -> None:
+    import gc
+
+    net = _net()
+    accumulator = GradAccumulator(net.parameters(), 2, noise_scale=True)
+    assert all(p._backward_hooks for p in net.parameters())
+    del accumulator
+    gc.collect()
+    assert not any(p._backward_hooks for p in net.parameters())
+
+
+@pytest.mark.parametrize(
+    ("noise", "items", "expected"),
+    [
+        (1000.0, 128.0, "well below the gradient noise scale (1,000 items): a larger batch"),
+        (50.0, 128.0, "well above the gradient noise scale (50 items): each step uses more items"),
+        (100.0, 128.0, "close to the gradient noise scale (100 items)"),
+        (-3.0, 128.0, "no usable estimate yet"),
+        (12.5, 0.0, "12.5 micro-batches (no item counts were known"),
+    ],
+)
+def test_the_summary_says_which_side_of_the_noise_scale_the_run_is_on(
+    noise: float, items: float, expected: str
+) -> None:
+    from lightning_gradacc.stats import AccumulationStats
+    from lightning_gradacc.summary import format_summary, noise_sentence
+
+    stats = AccumulationStats(items_last_step=items, noise_scale=noise)
+    assert expected in (noise_sentence(stats) or "")
+    assert expected in format_summary(stats, 0.5, None)
+    assert noise_sentence(AccumulationStats()) is None  # not measured: nothing said

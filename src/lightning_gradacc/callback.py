@@ -627,9 +627,13 @@ class GradientAccumulationLogic(_LogicBase):
             if self._loaded_state is not None
             else (previous.state_dict() if previous is not None else None)
         )
-        if state is not None:
-            accumulator.load_state_dict(state)
-        self._restore_window(trainer, accumulator)  # validates everything before it changes anything
+        try:
+            if state is not None:
+                accumulator.load_state_dict(state)
+            self._restore_window(trainer, accumulator)  # validates everything before it changes anything
+        except BaseException:
+            accumulator.remove_hooks()  # it will never be used: its noise-scale hooks must not stay
+            raise
         self._loaded_state = None
         self._accumulator = accumulator
         self._skipped_seen = accumulator.stats.skipped_steps
@@ -732,6 +736,7 @@ class GradientAccumulationLogic(_LogicBase):
         # to be weighted in place needs a copy.
         self._pending_loss = loss.detach().clone() if weighted else loss.detach()
         count.weigh_loss(loss, in_place=True)
+        accumulator.begin_backward()  # noise_scale: only this backward's gradients are this micro-batch's
         synchronizing = self._sync.defers or trainer.world_size > 1 or self._scaler is not None
         last = synchronizing and not _should_accumulate(trainer)  # this backward ends the window
         self._sync.before_backward(last)  # "window_end": FSDP reduces the window's last backward only

@@ -39,6 +39,11 @@ def noise_sentence(stats: AccumulationStats, full_step_items: int | None = None)
             " windows); train longer before reading it."
         )
     batch = float(full_step_items or stats.items_last_step)
+    if batch <= 0:  # no item counts: the noise scale is in micro-batches
+        return (
+            f"The gradient noise scale is {noise:,.1f} micro-batches (no item counts were known: pass"
+            " `item_count_fn` to have it in samples or tokens)."
+        )
     compared = f"The effective batch ({batch:,.0f} items) is {{}} the gradient noise scale"
     compared += f" ({noise:,.0f} items)"
     if batch < noise / 2:

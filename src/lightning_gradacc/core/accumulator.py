@@ -55,7 +55,8 @@ class _Measured:
     dropped: Scalar
     micro_clips: Scalar
     loss: tuple[Scalar, Scalar] | None  # (loss sum, loss weight) when computed now
-    noise: Tensor | list[float] | None = None  # (Σ b|g|², Σ b, n, Σ 1/b) over ranks (noise_scale=True)
+    noise: Tensor | list[float] | None = None  # noise.TOTALS over ranks (noise_scale=True)
+    l2_norm: Scalar | None = None  # the window's L2 norm when norm_type is not 2 (noise_scale=True)
 
 
 _REMOVED = {  # keyword arguments of 0.1 -> what replaces them
@@ -130,9 +131,11 @@ class GradAccumulator:
             accumulator then counts them but neither drops gradients nor raises).
         noise_scale: Estimate the gradient noise scale from each window's micro-batch gradients
             (:attr:`AccumulationStats.noise_scale`; see :mod:`lightning_gradacc.core.noise`). Costs one
-            gradient hook per backward (a fused norm pass, no sync, no memory) and three scalars in the
-            boundary's all-reduce. Needs at least 2 micro-batches per window (over ranks); not with
-            sharded gradients, ``overflow="skip_micro_batch"`` or ``clip_mode="micro_batch"``.
+            norm kernel per parameter per backward (in a gradient hook: no sync, no gradient kept), a few
+            small kernels per micro-batch and six scalars in the boundary's all-reduce. Needs at least 2
+            micro-batches per window (over ranks); not with sharded gradients,
+            ``overflow="skip_micro_batch"`` or ``clip_mode="micro_batch"``. Without :meth:`backward`, call
+            :meth:`begin_backward` before each micro-batch's backward.
         noise_scale_decay: Of the exponential averages of |G|² and tr(Σ) (0.95: about 20 measured steps).
         noise_scale_every: Measure one window in this many (the others cost nothing; the estimates stay
             unbiased, with fewer samples).
@@ -239,7 +242,12 @@ class GradAccumulator:
                     "`noise_scale=True` is not supported with sharded (FSDP) parameters yet: their gradients"
                     " reach the shards by reduce-scatter, never through a gradient hook."
                 )
-            self._noise = NoiseScale(settings.noise_scale_decay, self.device, self._ledger_dtype)
+            self._noise = NoiseScale(
+                settings.noise_scale_decay,
+                self.device,
+                self._ledger_dtype,
+                weighted=settings.scaling == "weighted",
+            )
         self._memory = WindowPeakMemory(self.device)  # reset when the statistics are read, not per window
         self._memory.start()
         self._weighting = ItemWeighting(settings.scaling == "weighted", self._scalar, self._world)
@@ -470,11 +478,22 @@ class GradAccumulator:
         """
         return self.weigh(items).weight
 
+    def begin_backward(self) -> None:
+        """Say that a micro-batch's backward starts (``noise_scale=True``; ``backward`` and the callback do).
+
+        Needed when you call ``loss.backward()`` and :meth:`record` yourself: gradients of other passes
+        since the last record (``torch.autograd.grad`` for a gradient penalty) are then not taken for this
+        micro-batch's.
+        """
+        if self._noise is not None:
+            self._noise.begin_backward()
+
     def backward(self, loss: Tensor, items: Any = None) -> None:
         """Back-propagate one micro-batch's loss (a mean over its items) with its weight; record it.
 
         Under a ``grad_scaler`` the weighted loss is scaled by it first.
         """
+        self.begin_backward()
         count = self.weigh(items, loss_dtype=loss.dtype)
         weighted = count.weigh_loss(loss)
         if self._scaler is not None:
@@ -596,15 +615,18 @@ class GradAccumulator:
         try:
             sources, grads, shard_groups = self._window_sums(window)
             world_size, all_reduce = self._world.resolve()
+            if self._noise is not None and self._noise.stale(self.parameters):
+                self._noise.mark_unusable()  # a layer unfrozen inside the window had no hook
             measured = self._measure(window, grads, shard_groups, all_reduce, read_statistics)
+            normalization = self._normalization(measured.totals.weights, measured.dropped, world_size)
             decision = decide(
                 measured.norms,
-                self._normalization(measured.totals.weights, measured.dropped, world_size),
+                normalization,
                 max_norm=self.settings.max_grad_norm,
                 clip_scope=self.settings.clip_scope,  # type: ignore[arg-type]
                 clip_value=self.settings.clip_value,
             )
-            live, has_items = self._account(window, measured, decision, reevaluation)
+            live, has_items = self._account(window, measured, decision, reevaluation, normalization)
             self._weighting.rebase(measured.totals.items, window.micro_batches * world_size)
             step = self._windows - (0 if reevaluation else 1)
             if not self._keeps_step(window, step, live, has_items, measured.totals.bad_items, sources):
@@ -710,18 +732,23 @@ class GradAccumulator:
             each_largest = (
                 each if settings.norm_type == math.inf else self._tensor_norms(grads, math.inf, shard_groups)
             )
+        l2_norm: Tensor | None = None  # the noise scale needs the L2 norm whatever norm_type clips
+        if noise is not None and settings.norm_type != 2.0:
+            l2_norm = combine_norms(self._tensor_norms(grads, 2.0, shard_groups), 2.0, device=self.device)
         if not self._decides_on_host:
             per_tensor = settings.clip_scope == "parameter" and settings.max_grad_norm is not None
             norms = Norms.on_device(
                 each, settings.norm_type, each_largest, device=self.device, keep_per_tensor=per_tensor
             )
-            return _Measured(totals, norms, dropped, micro_clips, loss, noise)
+            return _Measured(totals, norms, dropped, micro_clips, loss, noise, l2_norm)
         # Each tensor's norm goes to the host, where they are combined: no kernel for the total.
         tensor_wise = _stacked(each, self.device)
         largest_wise = [_stacked(each_largest, self.device)] if each_largest is not None else []
         values = [*totals.values(), dropped, micro_clips, *(loss or ()), tensor_wise, *largest_wise]
         if noise is not None:
             values.append(noise)
+        if l2_norm is not None:
+            values.append(l2_norm)
         on_device = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
         for i, value in zip(on_device, self._ledger.sync(*(values[i] for i in on_device)), strict=True):
             values[i] = value
@@ -738,11 +765,17 @@ class GradAccumulator:
             values[5],
             values[6],
             (values[7], values[8]) if loss is not None else None,
-            values[-1] if noise is not None else None,
+            values[-2 if l2_norm is not None else -1] if noise is not None else None,
+            values[-1] if l2_norm is not None else None,
         )
 
     def _account(
-        self, window: Window, measured: _Measured, decision: Decision, reevaluation: bool
+        self,
+        window: Window,
+        measured: _Measured,
+        decision: Decision,
+        reevaluation: bool,
+        normalization: Scalar,
     ) -> tuple[Flag, Flag]:
         """Fold the window into the statistics.
 
@@ -772,7 +805,7 @@ class GradAccumulator:
                 "last_grad_norm": decision.norm,
                 "items_last_step": measured.totals.items,
                 "window_loss": window_loss,
-                **self._noise_statistics(window, measured, decision),
+                **self._noise_statistics(window, measured, decision, normalization),
             },
             count=not reevaluation,
         )
@@ -781,17 +814,20 @@ class GradAccumulator:
             self._windows += 1
         return live, has_items
 
-    def _noise_statistics(self, window: Window, measured: _Measured, decision: Decision) -> dict[str, Scalar]:
+    def _noise_statistics(
+        self, window: Window, measured: _Measured, decision: Decision, normalization: Scalar
+    ) -> dict[str, Scalar]:
         """The window's noise-scale estimates (``noise_scale=True``), folded into the averages."""
         if self._noise is None or measured.noise is None:
             return {}
         noise = measured.noise
         parts: list[Scalar] = list(noise.unbind()) if isinstance(noise, Tensor) else list(noise)
+        # |G_W|: the L2 norm of the final gradient before clipping (the p-norm's L2 twin for another p)
+        factor: Any = abs(normalization)  # a number or a device scalar
+        norm = decision.norm if measured.l2_norm is None else measured.l2_norm * factor
         # the window's mean gradient: "sum" is k times the mean over every rank's micro-batches
-        mean = decision.norm / window.micro_batches if self.settings.scaling == "sum" else decision.norm
-        found = self._noise.update(
-            parts, mean * mean, weighted=self.settings.scaling == "weighted", items=measured.totals.items
-        )
+        mean = norm / window.micro_batches if self.settings.scaling == "sum" else norm
+        found = self._noise.update(parts, mean * mean, items=measured.totals.items)
         return {
             "noise_scale": found.noise_scale,
             "grad_sq_norm_estimate": found.grad_sq_norm,

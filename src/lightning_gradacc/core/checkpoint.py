@@ -240,4 +240,6 @@ def load_open_window(accumulator: GradAccumulator, state: Mapping[str, Any], *, 
             param.grad = tensor
     if state.get("dropped") is not None:
         window.dropped = accumulator._scalar(state["dropped"])
+    if accumulator._noise is not None:  # the restored micro-batches' own norms were not saved
+        accumulator._noise.mark_unusable()
     window.restored(in_buffers=accumulator._buffers is not None, micro_batches=int(state["micro_batches"]))

@@ -27,6 +27,7 @@ weight, loss scale 1/K, AMP scale) are divided out when the micro-batch is recor
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,14 +66,14 @@ def estimate(
     """Per-window estimates of |G|² and tr(Σ) (see the module's docstring).
 
     Args:
-        small: Σ b_i |g_i|² over the window's micro-batches (all ranks).
+        small: Σ b_i |g_i|² over the measured micro-batches (all ranks; any subset of the window's).
         small_weight: Σ b_i over the same micro-batches.
-        small_count: How many micro-batches (n).
+        small_count: How many.
         big_sq_norm: |G_W|², the squared norm of the window's (mean) gradient before clipping.
         beta_big: β_W = Σ w_i² / b_i for the window's weights w_i.
 
     Returns:
-        (|G|², tr(Σ)); ``nan`` where n < 2 or the norms are not finite.
+        (|G|², tr(Σ)); ``nan`` where none was measured, β_S <= β_W, or the norms are not finite.
 
     Example:
         Two micro-batches of 1 item with gradients 1 and 3: |G|² ≈ 1.0, tr(Σ) ≈ 2.0.
@@ -83,7 +84,7 @@ def estimate(
     mean_small = small / small_weight if not _is_zero(small_weight) else math.nan
     beta_small = small_count / small_weight if not _is_zero(small_weight) else math.nan
     gap = beta_small - beta_big
-    usable = small_count >= 2
+    usable = small_count >= 1
     if isinstance(gap, Tensor) or isinstance(mean_small, Tensor) or isinstance(big_sq_norm, Tensor):
         gap_t = torch.as_tensor(gap)
         ok = usable & (gap_t > 0) if isinstance(usable, Tensor) else (gap_t > 0) & bool(usable)
@@ -99,18 +100,65 @@ def _is_zero(value: Scalar) -> bool:
     return not isinstance(value, Tensor) and value == 0
 
 
+class _NormHook:
+    """A parameter's gradient hook; holds its owner weakly, so a dropped owner's hooks do nothing."""
+
+    __slots__ = ("index", "owner")
+
+    def __init__(self, owner: NoiseScale, index: int) -> None:
+        self.owner = weakref.ref(owner)
+        self.index = index
+
+    def __call__(self, grad: Tensor) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner._on_gradient(self.index, grad)
+
+
+def _same(these: tuple[Tensor, ...], those: tuple[Tensor, ...]) -> bool:
+    return len(these) == len(those) and all(a is b for a, b in zip(these, those, strict=True))
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+# The per-window totals, in this order, summed over ranks: what S and the two β need.
+TOTALS = (
+    "measured_small",  # Σ b|g|² over the measured micro-batches
+    "measured_items",  # Σ b over them
+    "measured",  # how many
+    "micro_batches",  # every micro-batch in the window's gradient
+    "inverse_items",  # Σ 1/b over them (β_W of "mean")
+    "unusable",  # > 0: the window cannot be measured (see `record`)
+)
+
+
 class NoiseScale:
     """Collects the micro-batch norms of each window and keeps the smoothed estimates.
 
+    A micro-batch is *measured* when its backward fired each hooked parameter's hook once (between
+    :meth:`begin_backward` and :meth:`record`); any item-weighted subset of micro-batches gives an
+    unbiased S, so an unmeasured one (re-entrant checkpointing of a shared weight fires a hook per
+    segment; a gradient added without a backward) only leaves it out of S. The window's gradient still
+    holds every micro-batch, so β_W counts them all. A window is *unusable* (no estimate) when that
+    count is incomplete: micro-batches restored from a checkpoint, a micro-batch of 0 items under
+    ``"mean"``/``"sum"`` (its gradient is 0, not a mean), item counts known for some micro-batches only,
+    or parameters that started to require a gradient inside the window.
+
     Args:
-        decay: Of the exponential averages (0.95: about the last 20 steps count).
+        decay: Of the exponential averages (0.95: about the last 20 measured steps count).
         device: Where the per-micro-batch scalars live.
         dtype: Their dtype (float64, or float32 where the device has none).
+        weighted: Whether windows weight micro-batches by items (``"weighted"``), else equally.
 
     Example:
         >>> weight = torch.nn.Parameter(torch.zeros(2))
         >>> noise = NoiseScale(0.9, torch.device("cpu"), torch.float64)
         >>> noise.watch([weight])
+        >>> noise.begin_backward()
         >>> (weight * torch.tensor([1.0, 3.0])).sum().backward()
         >>> noise.record(items=1.0, weight=1.0, scale=1.0)
         >>> round(float(noise.window_totals()[0]), 4)  # Σ b |g|²: 1 item, |g|² = 1 + 9
@@ -118,13 +166,18 @@ class NoiseScale:
         >>> noise.remove_hooks()
     """
 
-    def __init__(self, decay: float, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, decay: float, device: torch.device, dtype: torch.dtype, *, weighted: bool = False
+    ) -> None:
         self.decay = decay
         self.device = device
         self.dtype = dtype
-        self._parts: list[Tensor] = []  # the norms of the incoming gradients of the backward not recorded
-        self._handles: list[Any] = []
-        self._watched: tuple[int, ...] = ()
+        self.weighted = weighted
+        self._handles: list[Any] = []  # mutated in place: the finalizer below holds this list
+        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
+        self._watched: tuple[Tensor, ...] = ()
+        self._unit_missing = False  # this window's counts are missing (`items=None`: micro-batch units)
+        self._unusable = False  # this window cannot be measured (see the class docstring)
         self.discard()
         self.average_grad_sq_norm: Scalar = 0.0  # exponential averages, not yet bias-corrected
         self.average_trace_sigma: Scalar = 0.0
@@ -132,15 +185,31 @@ class NoiseScale:
 
     # ------------------------------------------------------------------------------ per micro-batch
 
-    def watch(self, params: Sequence[Tensor]) -> None:
-        """Hook the parameters that require a gradient (again, if the set changed)."""
-        watched = [p for p in params if p.requires_grad]
-        key = tuple(id(p) for p in watched)
-        if key == self._watched:
-            return
-        self.remove_hooks()
-        self._watched = key
-        self._handles = [param.register_hook(self._on_gradient) for param in watched]  # type: ignore[no-untyped-call]
+    def watch(self, params: Sequence[Tensor]) -> bool:
+        """Hook the parameters that require a gradient (again, if the set changed).
+
+        Returns:
+            Whether the set changed while a window was open (then that window is unusable).
+        """
+        watched = tuple(p for p in params if p.requires_grad)
+        if _same(watched, self._watched):
+            return False
+        changed = bool(self._micro_batches_recorded)
+        if changed:
+            self._unusable = True
+        _remove_handles(self._handles)
+        self._watched = watched
+        self._handles.extend(
+            param.register_hook(_NormHook(self, index))  # type: ignore[no-untyped-call]
+            for index, param in enumerate(watched)
+        )
+        return changed
+
+    def stale(self, params: Sequence[Tensor]) -> bool:
+        """Whether the parameters requiring a gradient are not the ones hooked (one host pass, no sync)."""
+        if not self._handles:
+            return False
+        return not _same(tuple(p for p in params if p.requires_grad), self._watched)
 
     @property
     def watching(self) -> bool:
@@ -149,89 +218,147 @@ class NoiseScale:
 
     def remove_hooks(self) -> None:
         """Remove the gradient hooks (a replaced accumulator must not keep measuring)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        _remove_handles(self._handles)
         self._watched = ()
 
-    def _on_gradient(self, grad: Tensor) -> None:
-        self._parts.append(torch.linalg.vector_norm(grad))  # one kernel; the gradient is not kept
+    def begin_backward(self) -> None:
+        """A micro-batch's backward starts: forget norms from other passes.
+
+        E.g. ``torch.autograd.grad`` with respect to the parameters in ``training_step`` (a gradient
+        penalty) fires the hooks too.
+        """
+        self._parts: list[Tensor] = []
+        self._fired: set[int] = set()
+        self._repeated = False
+
+    def _on_gradient(self, index: int, grad: Tensor) -> None:
+        if index in self._fired:  # a second gradient of the same parameter in one pass: norms don't add
+            self._repeated = True
+        self._fired.add(index)
+        low = grad.dtype in (torch.float16, torch.bfloat16)  # fp16 norms overflow: take them in fp32
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32 if low else None)  # one kernel, not kept
+        self._parts.append(norm if norm.device == self.device else norm.to(self.device, non_blocking=True))
 
     def record(self, items: float | Tensor | None, weight: Scalar, scale: Scalar) -> None:
-        """Count the backward just run; no sync, and with host numbers one kernel.
+        """Count the micro-batch whose backward just ran; no sync, and with host numbers one kernel.
 
         Args:
             items: The micro-batch's items (``None``: 1, so that the noise scale is in micro-batches).
             weight: The factor its loss was multiplied by (``"weighted"``).
             scale: The loss scale times the AMP scale, which its gradient also carries.
         """
-        parts, self._parts = self._parts, []
+        parts, repeated = self._parts, self._repeated
+        self.begin_backward()
+        self._micro_batches_recorded += 1
+        if (items is None) != self._unit_missing:
+            if self._micro_batches_recorded > 1:  # counts known for some micro-batches only
+                self._unusable = True
+            self._unit_missing = items is None
         count: Scalar = 1.0 if items is None else items
-        if not parts:  # nothing back-propagated into the watched parameters
+        measured = bool(parts) and not repeated
+        if isinstance(count, Tensor) or isinstance(factor := weight * scale, Tensor):
+            self._record_tensors(parts if measured else [], count, weight * scale)
+            return
+        if count <= 0:
+            if not self.weighted:  # "mean": a zero gradient counted as a micro-batch mean
+                self._unusable = True
+            return
+        self._host[3] += 1.0
+        self._host[4] += 1.0 / count
+        if not measured or factor == 0:
             return
         squared = torch.stack(parts).to(self.dtype).square().sum()
-        factor = weight * scale  # the gradient is factor x g_i
-        if isinstance(count, Tensor) or isinstance(factor, Tensor):
-            count_t = torch.as_tensor(count).to(device=self.device, dtype=self.dtype).reshape(())
-            factor_t = torch.as_tensor(factor).to(device=self.device, dtype=self.dtype).reshape(())
-            ok = (count_t > 0) & (factor_t != 0)
-            safe_count = torch.where(ok, count_t, 1.0)
-            unscaled = squared / torch.where(ok, factor_t, 1.0).square()
-            zero = torch.zeros((), dtype=self.dtype, device=self.device)
-            self._small.append(torch.where(ok, safe_count * unscaled, zero))
-            self._counts.append(
-                torch.stack(
-                    [torch.where(ok, count_t, zero), ok.to(self.dtype), torch.where(ok, 1 / safe_count, zero)]
-                )
-            )
-            return
-        if count <= 0 or factor == 0:  # no items: no mean gradient to measure
-            return
         self._small.append(squared * (count / (factor * factor)))
-        self._host_counts[0] += count
-        self._host_counts[1] += 1.0
-        self._host_counts[2] += 1.0 / count
+        self._host[1] += count
+        self._host[2] += 1.0
+
+    def _record_tensors(self, parts: list[Tensor], count: Scalar, factor: Scalar) -> None:
+        """:meth:`record` for a count or scale that is a device tensor: every term stays on the device."""
+        full = self._full
+        count_t = count.to(self.device, self.dtype).reshape(()) if isinstance(count, Tensor) else full(count)
+        factor_t = (
+            factor.to(self.device, self.dtype).reshape(()) if isinstance(factor, Tensor) else full(factor)
+        )
+        has_items = count_t > 0
+        safe_count = torch.where(has_items, count_t, 1.0)
+        zero = full(0.0)
+        # a micro-batch without items: nothing under "weighted", an unusable window otherwise
+        unusable = zero if self.weighted else (~has_items).to(self.dtype)
+        row = [
+            zero,
+            zero,
+            zero,
+            has_items.to(self.dtype),
+            torch.where(has_items, 1 / safe_count, zero),
+            unusable,
+        ]
+        if parts:
+            ok = has_items & (factor_t != 0)
+            squared = torch.stack(parts).to(self.dtype).square().sum()
+            unscaled = squared / torch.where(ok, factor_t, 1.0).square()
+            row[:3] = [
+                torch.where(ok, safe_count * unscaled, zero),
+                torch.where(ok, count_t, zero),
+                ok.to(self.dtype),
+            ]
+        self._rows.append(torch.stack(row))
+
+    def _full(self, value: float) -> Tensor:
+        return torch.full((), float(value), dtype=self.dtype, device=self.device)  # a fill: no copy, no sync
+
+    def mark_unusable(self) -> None:
+        """The open window cannot be measured (e.g. micro-batches restored from a checkpoint)."""
+        self._unusable = True
 
     def window_totals(self) -> Tensor:
-        """This rank's (Σ b|g|², Σ b, n, Σ 1/b) of the window (a device vector); forgets them."""
-        small, counts, host = self._small, self._counts, self._host_counts
+        """This rank's :data:`TOTALS` of the window (a device vector); forgets them."""
+        small, rows, host = self._small, self._rows, list(self._host)
+        host[5] = 1.0 if self._unusable else 0.0
         self.discard()
-        full = [torch.full((), value, dtype=self.dtype, device=self.device) for value in host]  # no copy
-        totals = torch.stack([torch.stack(small).sum() if small else full[0] * 0, *full])
-        if counts:
-            totals[1:] += torch.stack(counts).sum(dim=0)
+        totals = torch.stack([self._full(value) for value in host])  # fills: no host-to-device copy
+        if small:
+            totals[0] += torch.stack(small).sum()
+        if rows:
+            totals += torch.stack(rows).sum(dim=0)
         return totals
 
     def discard_pending(self) -> None:
         """Forget the last backward's norms without counting them (a re-evaluated micro-batch)."""
-        self._parts = []
+        self.begin_backward()
 
     def discard(self) -> None:
         """Forget the open window's micro-batches."""
-        self._small: list[Tensor] = []  # per micro-batch: b |g|², a device scalar
-        self._counts: list[Tensor] = []  # per micro-batch with a tensor count: (b, 1, 1/b)
-        self._host_counts = [0.0, 0.0, 0.0]  # (Σ b, n, Σ 1/b) of the micro-batches with host counts
-        self._parts = []
+        self._small: list[Tensor] = []  # per measured micro-batch with host numbers: b |g|² (device)
+        self._rows: list[Tensor] = []  # per micro-batch with a device count or scale: its TOTALS row
+        self._host = [0.0] * len(TOTALS)  # the host numbers' part of TOTALS (the first stays 0)
+        self._micro_batches_recorded = 0
+        self._unit_missing = False
+        self._unusable = False
+        self.begin_backward()
 
     # -------------------------------------------------------------------------------- per window
 
-    def update(
-        self, totals: Sequence[Scalar], big_sq_norm: Scalar, *, weighted: bool, items: Scalar
-    ) -> NoiseEstimate:
-        """Estimate from one window's totals (summed over ranks) and fold into the averages.
+    def update(self, totals: Sequence[Scalar], big_sq_norm: Scalar, *, items: Scalar) -> NoiseEstimate:
+        """Estimate from one window's :data:`TOTALS` (summed over ranks) and fold into the averages.
 
         Args:
-            totals: (Σ b|g|², Σ b, n, Σ 1/b) over every rank's micro-batches.
+            totals: The window's :data:`TOTALS` over every rank.
             big_sq_norm: |G_W|² of the window's mean gradient, before clipping.
-            weighted: Whether the window's weights are b_i / B (else 1/n).
             items: B, the window's items over ranks (for the weighted β_W).
         """
-        small, small_weight, count, inverse = totals
-        if weighted:
+        small, small_weight, measured, micro_batches, inverse, unusable = totals
+        if self.weighted:
             beta_big = 1.0 / items if not _is_zero(items) else math.nan
         else:
-            beta_big = inverse / (count * count) if not _is_zero(count) else math.nan
-        grad_sq_norm, trace_sigma = estimate(small, small_weight, count, big_sq_norm, beta_big)
+            beta_big = inverse / (micro_batches * micro_batches) if not _is_zero(micro_batches) else math.nan
+        grad_sq_norm, trace_sigma = estimate(small, small_weight, measured, big_sq_norm, beta_big)
+        usable = (
+            (micro_batches >= 2) & (unusable == 0)
+            if isinstance(unusable, Tensor)
+            else (micro_batches >= 2 and unusable == 0)
+        )
+        grad_sq_norm = _select(usable, grad_sq_norm, math.nan)
+        trace_sigma = _select(usable, trace_sigma, math.nan)
         ok: Scalar = _finite(grad_sq_norm)
         ok = ok & _finite(trace_sigma) if isinstance(ok, Tensor) else ok and bool(_finite(trace_sigma))
         d = self.decay
