@@ -1,4 +1,4 @@
-"""Models, data and the seven ways of training them that the benchmarks compare."""
+"""Models, data and the eight ways of training them that the benchmarks compare."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradacc import GradAccumulator, GradientAccumulationCallback
 
-MODES = ("builtin", "callback", "weighted", "buffers", "noise", "plain", "plain+core")
+MODES = ("builtin", "callback", "weighted", "buffers", "noise", "noise4", "plain", "plain+core")
 MODE_TITLES = {
     "builtin": "Lightning `accumulate_grad_batches`",
     "callback": "callback (default)",
     "weighted": 'callback `scaling="weighted"`',
     "buffers": 'callback `accumulation_dtype="float32"`',
     "noise": "callback `noise_scale=True`",
+    "noise4": "callback `noise_scale=True, noise_scale_every=4`",
     "plain": "plain PyTorch loop",
     "plain+core": "plain loop + `GradAccumulator`",
 }
