@@ -302,8 +302,9 @@ def test_state_dict_round_trip_keeps_counters(tmp_path: object) -> None:
     torch.save(accumulator.state_dict(), path)
     restored = GradAccumulator([torch.zeros(1, requires_grad=True)], 4)
     restored.load_state_dict(torch.load(path, weights_only=True))
-    assert restored.stats == dataclasses.replace(
-        accumulator.stats, num_parameters=1, peak_memory_bytes=accumulator.stats.peak_memory_bytes
+    # the process's memory peak is read when asked (it grows on its own): not compared
+    assert dataclasses.replace(restored.stats, peak_memory_bytes=0) == dataclasses.replace(
+        accumulator.stats, num_parameters=1, peak_memory_bytes=0
     )
     with pytest.raises(ValueError, match="version 99"):
         restored.load_state_dict({"version": 99})

@@ -7,6 +7,7 @@ state.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import warnings
@@ -1141,7 +1142,7 @@ def test_accumulator_loads_version_1_state(with_empty: bool) -> None:
     assert not {"optimizer_steps", "overflow_count", "clip_count"} & set(saved)
     _, other = _linear_accumulator()
     other.load_state_dict(saved)
-    assert other.stats == stats
+    assert _without_peak(other.stats) == _without_peak(stats)
     # and counting goes on from there
     _backward(model, accumulator)
     _backward(model, accumulator)
@@ -1180,6 +1181,11 @@ def test_accumulator_loads_version_2_state() -> None:
         assert stats.overflow_count == 5
 
 
+def _without_peak(stats: AccumulationStats) -> AccumulationStats:
+    """The statistics but the process's memory peak, which grows on its own (it is read when asked)."""
+    return dataclasses.replace(stats, peak_memory_bytes=0)
+
+
 def test_accumulator_load_state_rejects_bad_states_and_changes_nothing() -> None:
     model, accumulator = _linear_accumulator()
     _backward(model, accumulator)
@@ -1196,7 +1202,7 @@ def test_accumulator_load_state_rejects_bad_states_and_changes_nothing() -> None
     ):
         with pytest.raises(ValueError):
             accumulator.load_state_dict(bad)
-        assert accumulator.stats == before
+        assert _without_peak(accumulator.stats) == _without_peak(before)
 
 
 def test_accumulator_load_state_with_a_bad_value_changes_nothing() -> None:
@@ -1209,7 +1215,7 @@ def test_accumulator_load_state_with_a_bad_value_changes_nothing() -> None:
     ):
         with pytest.raises((ValueError, TypeError)):
             accumulator.load_state_dict(bad)
-        assert accumulator.stats == before
+        assert _without_peak(accumulator.stats) == _without_peak(before)
 
 
 # ----------------------------------------------------------------------------- 9. deprecated stat names
