@@ -318,6 +318,14 @@ def test_the_estimate_uses_the_l2_norm_whatever_norm_clips() -> None:
             assert found == pytest.approx(reference, rel=2e-6)  # fp32 norms: 5e-7 apart (1 or inf: 40%)
 
 
+def test_the_amp_scale_is_divided_out() -> None:
+    """Under a GradScaler every incoming gradient carries its scale (here 1024, a device tensor: the
+    recording takes the no-sync tensor path); the estimates are those of the unscaled run."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    found = _plain_estimates({"grad_scaler": scaler})
+    assert found == pytest.approx(_plain_estimates({}), rel=1e-6)
+
+
 def test_another_pass_through_the_hooks_is_not_taken_for_the_micro_batch() -> None:
     """`torch.autograd.grad` on the parameters inside the step (a gradient penalty) fires the hooks too."""
     assert _plain_estimates({}, penalty=True) == pytest.approx(_plain_estimates({}), rel=1e-6)
