@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -84,7 +85,5 @@ def test_noise_scale_records_micro_batches_without_a_host_sync_on_cuda(amp: bool
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         accumulator.step(optimizer)
-    import math
-
     assert math.isfinite(accumulator.stats.trace_sigma_estimate)
     accumulator.remove_hooks()
