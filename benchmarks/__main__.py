@@ -102,7 +102,7 @@ def memory(device: str, quick: bool) -> list[str]:
 def syncs(device: str, quick: bool) -> list[str]:
     size = (QUICK_SIZES if quick else SIZES)["small"]
     lines = ["| mode | syncs per accumulating micro-batch | syncs per optimizer step |", "|---|---|---|"]
-    for mode in ("callback", "weighted"):
+    for mode in ("callback", "weighted", "noise"):
         per_micro_batch, per_step = syncs_per_micro_batch_and_step(mode, size, 4, device)
         lines.append(f"| {MODE_TITLES[mode]} | {per_micro_batch:g} | {per_step:g} |")
         print(lines[-1], flush=True)

@@ -157,7 +157,8 @@ class NoiseScale:
     Example:
         >>> weight = torch.nn.Parameter(torch.zeros(2))
         >>> noise = NoiseScale(0.9, torch.device("cpu"), torch.float64)
-        >>> noise.watch([weight])
+        >>> noise.watch([weight])  # hooked (no window was open: nothing to invalidate)
+        False
         >>> noise.begin_backward()
         >>> (weight * torch.tensor([1.0, 3.0])).sum().backward()
         >>> noise.record(items=1.0, weight=1.0, scale=1.0)
