@@ -259,9 +259,11 @@ def main(out: Path) -> None:
     if STRATEGY != "model_parallel":  # FSDP1 only
         refused["buffers_window_end"] = {"accumulation_dtype": "float64", "sharded_reduction": "window_end"}
         refused["replicas_at_window_end"] = {"sharded_reduction": "replicas_at_window_end"}
+        refused["lightning_norm_clip"] = {"trainer": {"gradient_clip_val": 0.05}}
     for name, options in refused.items():
+        trainer_options = options.pop("trainer", {})
         try:
-            sharded_trainer(GradientAccumulationCallback(K, **options)).fit(
+            sharded_trainer(GradientAccumulationCallback(K, **options), **trainer_options).fit(
                 ShardedModule(nan_on_one_rank=False, weighted=False)
             )
         except RuntimeError as error:

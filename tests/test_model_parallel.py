@@ -164,6 +164,7 @@ def test_resume_from_a_checkpoint_inside_a_window_is_exact(trained: Path, state_
         ("micro_batch_window_end", "check each micro-batch's reduced gradient, but with `sharded_reduction="),
         ("buffers_window_end", "`accumulation_dtype` cannot be combined with `sharded_reduction="),
         ("replicas_at_window_end", "FSDP1 (`FSDPStrategy`) cannot defer the all-reduce across replicas"),
+        ("lightning_norm_clip", "pass `GradientAccumulationCallback(max_grad_norm=0.05)`: it clips"),
     ],
 )
 def test_refused_at_train_start(trained: Path, name: str, expected: str) -> None:

@@ -391,6 +391,18 @@ class GradientAccumulationLogic(_LogicBase):
                 " `optimizer.step(closure)` runs; an override that steps without the closure, or zeroes"
                 " gradients elsewhere, breaks the window."
             )
+        algorithm = trainer.gradient_clip_algorithm
+        if (
+            trainer.gradient_clip_val
+            and isinstance(trainer.strategy, self._api.fsdp_strategy)
+            and str(getattr(algorithm, "value", algorithm) or "norm") == "norm"
+        ):
+            raise RuntimeError(
+                f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})` clips by norm, which Lightning's"
+                " `FSDPStrategy` refuses at the first step (`FSDPPrecision.clip_grad_by_norm`). Remove it and"
+                f" pass `GradientAccumulationCallback(max_grad_norm={trainer.gradient_clip_val})`: it clips"
+                " the sharded gradients by their whole norm, once per optimizer step."
+            )
         if trainer.gradient_clip_val and (
             self.settings.max_grad_norm is not None or self.settings.clip_value is not None
         ):
