@@ -81,7 +81,7 @@ def boundary(device: str, quick: bool, repeats: int) -> list[str]:
 
 def memory(device: str, quick: bool) -> list[str]:
     key, k = ("small", 4) if quick else ("big", 8)
-    modes = ("builtin", "callback", "weighted", "buffers")
+    modes = ("builtin", "buffers") if quick else ("builtin", "callback", "weighted", "buffers")  # smoke: 2
     peaks = {mode: peak_memory_in_subprocess(mode, key, k, device, quick) for mode in modes}
     base, params, _ = peaks["builtin"]
     lines = [

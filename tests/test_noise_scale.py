@@ -28,7 +28,7 @@ from tests import helpers as h
 
 SAMPLES = 256
 K = 4
-WINDOWS = 2000  # the averages' standard errors: about 2% of the truth
+WINDOWS = 1500  # the averages' standard errors: about 2.3% of the truth (asserted < 3%)
 
 
 def _data() -> TensorDataset:
@@ -159,7 +159,8 @@ def test_estimates_match_the_truth_with_unequal_weighted_micro_batches() -> None
 @pytest.mark.slow
 def test_estimates_match_the_truth_with_unequal_micro_batches_averaged() -> None:
     """``"mean"`` over unequal micro-batches: the window's weights are 1/n, not the items'."""
-    check_against_truth(fit([2, 3, 7], windows=WINDOWS).rows, WINDOWS)
+    # micro-batches of 2 items count as much as those of 7: a noisier estimate, twice the windows
+    check_against_truth(fit([2, 3, 7], windows=2 * WINDOWS).rows, 2 * WINDOWS)
 
 
 @pytest.mark.slow
