@@ -93,14 +93,13 @@ class ShardedSync:
 
     Example:
         >>> sync = ShardedSync(torch.nn.Linear(2, 2), reduction="window_end")
-        >>> sync.sharded, sync.defers
+        >>> sync.defers, sync.fsdp1
         (False, False)
     """
 
     def __init__(self, module: torch.nn.Module, *, reduction: str = "every_micro_batch") -> None:
         self._fsdp2 = fsdp2_modules(module)
         self._fsdp1 = fsdp1_roots(module)
-        self.reduction = reduction
         self._all_reduce_only = reduction == "replicas_at_window_end"
         if self._all_reduce_only and self._fsdp1:
             raise ValueError(
@@ -115,11 +114,6 @@ class ShardedSync:
         self._held: list[contextlib.AbstractContextManager[Any]] = []  # FSDP1 `no_sync()` entered
 
     @property
-    def sharded(self) -> bool:
-        """Whether any module is sharded by FSDP (1 or 2)."""
-        return bool(self._fsdp2 or self._fsdp1)
-
-    @property
     def fsdp1(self) -> bool:
         """Whether the model is wrapped by FSDP1 (``FullyShardedDataParallel``)."""
         return bool(self._fsdp1)
@@ -128,16 +122,20 @@ class ShardedSync:
         """Let the coming backward reduce only if it is the window's ``last``."""
         if not self.defers:
             return
-        for module in self._fsdp2:
-            if self._all_reduce_only:
-                module.set_requires_all_reduce(last, recurse=False)
-            else:
-                module.set_requires_gradient_sync(last, recurse=False)
+        self._set_fsdp2(last)
         if not last:
             for root in self._fsdp1:
                 context = root.no_sync()
                 context.__enter__()
                 self._held.append(context)
+
+    def _set_fsdp2(self, reduce: bool) -> None:
+        """Switch what the mode defers on every FSDP2 module: the whole sync, or the all-reduce only."""
+        for module in self._fsdp2:
+            if self._all_reduce_only:
+                module.set_requires_all_reduce(reduce, recurse=False)
+            else:
+                module.set_requires_gradient_sync(reduce, recurse=False)
 
     def after_backward(self) -> None:
         """Leave FSDP1's ``no_sync()``: only the backward itself runs inside it."""
@@ -161,10 +159,6 @@ class ShardedSync:
         self.after_backward()
         if not self.defers:
             return
-        for module in self._fsdp2:
-            if self._all_reduce_only:
-                module.set_requires_all_reduce(True, recurse=False)
-            else:
-                module.set_requires_gradient_sync(True, recurse=False)
+        self._set_fsdp2(True)
         if discard:
             self.drop_unsynced()

@@ -281,6 +281,8 @@ class GradAccumulator:
         # FSDP1 only: each parameter's slice (None: not flattened, or not sharded)
         self._flat_shards: list[FlatShard | None] = [known.get(id(param)) for _, param in self._named]
         self._flat_sharded = any(shard is not None for shard in self._flat_shards)
+        # FSDP1 slices or FSDP2 DTensors: asked per micro-batch by the per-micro-batch checks
+        self._sharded = self._flat_sharded or any(g is not None for g in local_shards(self.parameters)[1])
 
     @staticmethod
     def _named_list(parameters: Iterable[Tensor] | Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
@@ -683,11 +685,6 @@ class GradAccumulator:
         if not any(group is not None for group in groups):
             return grads, None
         return grads, [groups[i] for ids in layout.values() for i in ids if local[i] is not None]
-
-    @property
-    def _sharded(self) -> bool:
-        """Whether any tracked parameter is sharded (FSDP1 slices or FSDP2 ``DTensor``)."""
-        return self._flat_sharded or any(g is not None for g in local_shards(self.parameters)[1])
 
     def _micro_batch_norm(self) -> Tensor:
         """The total norm of ``.grad`` (one micro-batch), combined over shards: a device scalar, no sync."""

@@ -169,7 +169,8 @@ def _clip_coefficient(norm: Scalar, max_norm: float) -> Scalar:
     return min(max_norm / (norm + EPS), 1.0) if not math.isnan(norm) else math.nan
 
 
-def _isfinite(value: Scalar) -> Flag:
+def is_finite(value: Scalar) -> Flag:
+    """Whether ``value`` is finite: a host bool for a number, a device bool for a tensor (no sync)."""
     return torch.isfinite(value) if isinstance(value, Tensor) else math.isfinite(value)
 
 
@@ -225,7 +226,7 @@ def decide(
     if isinstance(total, Tensor) and isinstance(factor, Tensor):
         factor = factor.to(total.dtype)
     norm = total * factor
-    finite = _isfinite(norm)
+    finite = is_finite(norm)
     multiplier: Scalar | list[Tensor] | list[float] = factor
     clipped: Flag = False
     if max_norm is not None and clip_scope == "parameter":

@@ -15,7 +15,6 @@ from torch import Tensor
 
 from .boundary import decide
 from .kernels import total_norm
-from .shards import local_shards
 from .weighting import ItemCount
 
 if TYPE_CHECKING:
@@ -37,7 +36,7 @@ def absorb_micro_batch(accumulator: GradAccumulator, count: ItemCount) -> Tensor
         # Sharded (FSDP, reduced every micro-batch): `.grad` holds this rank's shard of micro-batch i of
         # every rank, averaged; its norm is combined over the shards (one small collective, no sync), so
         # the check and the clip act on that global micro-batch, the same on every rank.
-        sharded = accumulator._flat_sharded or any(group is not None for group in local_shards(grads)[1])
+        sharded = accumulator._sharded
         if sharded:
             norm = accumulator._micro_batch_norm()
         else:

@@ -35,20 +35,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .boundary import Flag, both, is_finite
+
 Scalar = float | Tensor
 
 
-def _select(ok: Scalar, new: Scalar, old: Scalar) -> Scalar:
-    """``new`` where ``ok`` else ``old``: host numbers or device scalars alike (no sync)."""
-    if isinstance(ok, Tensor) or isinstance(new, Tensor) or isinstance(old, Tensor):
-        device = next(v.device for v in (ok, new, old) if isinstance(v, Tensor))
-        flag = ok if isinstance(ok, Tensor) else torch.tensor(bool(ok), device=device)
-        return torch.where(flag, new, old)
-    return new if ok else old
-
-
-def _finite(value: Scalar) -> Scalar:
-    return torch.isfinite(value) if isinstance(value, Tensor) else math.isfinite(value)
+def _select(ok: Flag, new: Scalar, old: Scalar) -> Scalar:
+    """``new`` where ``ok`` else ``old``: a host flag picks without a kernel, a device one without a sync."""
+    if not isinstance(ok, Tensor):
+        return new if ok else old
+    return torch.where(ok, new, old)
 
 
 @dataclass(frozen=True)
@@ -87,7 +83,7 @@ def estimate(
     usable = small_count >= 1
     if isinstance(gap, Tensor) or isinstance(mean_small, Tensor) or isinstance(big_sq_norm, Tensor):
         gap_t = torch.as_tensor(gap)
-        ok = usable & (gap_t > 0) if isinstance(usable, Tensor) else (gap_t > 0) & bool(usable)
+        ok = (gap_t > 0) & usable  # a device bool either way: both operands of `where` are tensors
         trace = torch.where(ok, (mean_small - big_sq_norm) / torch.where(ok, gap_t, 1.0), math.nan)
         return big_sq_norm - beta_big * trace, trace
     if not usable or not gap > 0:
@@ -157,8 +153,7 @@ class NoiseScale:
     Example:
         >>> weight = torch.nn.Parameter(torch.zeros(2))
         >>> noise = NoiseScale(0.9, torch.device("cpu"), torch.float64)
-        >>> noise.watch([weight])  # hooked (no window was open: nothing to invalidate)
-        False
+        >>> noise.watch([weight])
         >>> noise.begin_backward()
         >>> (weight * torch.tensor([1.0, 3.0])).sum().backward()
         >>> noise.record(items=1.0, weight=1.0, scale=1.0)
@@ -186,17 +181,15 @@ class NoiseScale:
 
     # ------------------------------------------------------------------------------ per micro-batch
 
-    def watch(self, params: Sequence[Tensor]) -> bool:
+    def watch(self, params: Sequence[Tensor]) -> None:
         """Hook the parameters that require a gradient (again, if the set changed).
 
-        Returns:
-            Whether the set changed while a window was open (then that window is unusable).
+        A window already open then becomes unusable: its earlier micro-batches were measured on others.
         """
         watched = tuple(p for p in params if p.requires_grad)
         if _same(watched, self._watched):
-            return False
-        changed = bool(self._micro_batches_recorded)
-        if changed:
+            return
+        if self._micro_batches_recorded:
             self._unusable = True
         _remove_handles(self._handles)
         self._watched = watched
@@ -204,7 +197,6 @@ class NoiseScale:
             param.register_hook(_NormHook(self, index))  # type: ignore[no-untyped-call]
             for index, param in enumerate(watched)
         )
-        return changed
 
     def stale(self, params: Sequence[Tensor]) -> bool:
         """Whether the parameters requiring a gradient are not the ones hooked (one host pass, no sync)."""
@@ -257,8 +249,9 @@ class NoiseScale:
             self._unit_missing = items is None
         count: Scalar = 1.0 if items is None else items
         measured = bool(parts) and not repeated
-        if isinstance(count, Tensor) or isinstance(factor := weight * scale, Tensor):
-            self._record_tensors(parts if measured else [], count, weight * scale)
+        factor = weight * scale  # the gradient is factor x g_i
+        if isinstance(count, Tensor) or isinstance(factor, Tensor):
+            self._record_tensors(parts if measured else [], count, factor)
             return
         if count <= 0:
             if not self.weighted:  # "mean": a zero gradient counted as a micro-batch mean
@@ -353,15 +346,10 @@ class NoiseScale:
         else:
             beta_big = inverse / (micro_batches * micro_batches) if not _is_zero(micro_batches) else math.nan
         grad_sq_norm, trace_sigma = estimate(small, small_weight, measured, big_sq_norm, beta_big)
-        usable = (
-            (micro_batches >= 2) & (unusable == 0)
-            if isinstance(unusable, Tensor)
-            else (micro_batches >= 2 and unusable == 0)
-        )
+        usable = both(micro_batches >= 2, unusable == 0)
         grad_sq_norm = _select(usable, grad_sq_norm, math.nan)
         trace_sigma = _select(usable, trace_sigma, math.nan)
-        ok: Scalar = _finite(grad_sq_norm)
-        ok = ok & _finite(trace_sigma) if isinstance(ok, Tensor) else ok and bool(_finite(trace_sigma))
+        ok = both(is_finite(grad_sq_norm), is_finite(trace_sigma))
         d = self.decay
         self.average_grad_sq_norm = _select(
             ok, d * self.average_grad_sq_norm + (1 - d) * grad_sq_norm, self.average_grad_sq_norm
