@@ -443,3 +443,69 @@ def test_the_summary_says_which_side_of_the_noise_scale_the_run_is_on(
     assert expected in (noise_sentence(stats) or "")
     assert expected in format_summary(stats, 0.5, None)
     assert noise_sentence(AccumulationStats()) is None  # not measured: nothing said
+
+
+# ------------------------------------------------------------- combined with the rest of Lightning
+
+
+def _combined_module(namespace: str) -> Any:
+    """Regression with a backbone (finetuning), validation (mid-window), a logged metric (early stopping)
+    and a `training_step` that returns None for one batch."""
+    base = h.REGRESSION_MODULES[namespace]
+
+    class Combined(base):  # type: ignore[valid-type,misc]
+        def __init__(self) -> None:
+            super().__init__(h.regression_data(48))
+            self.backbone = self.net[0]
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss)
+            return None if batch_idx == 5 else loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+        def val_dataloader(self) -> DataLoader:
+            return DataLoader(h.regression_data(8), batch_size=4)
+
+    return Combined()
+
+
+@pytest.mark.parametrize("namespace", ["pytorch_lightning", "lightning.pytorch"])
+@pytest.mark.parametrize("combination", ["finetuning", "swa", "ema", "early_stop_checkpoint", "bf16"])
+def test_measuring_does_not_change_training(namespace: str, combination: str, tmp_path: Path) -> None:
+    """With Lightning's callbacks, a `None` step, validation inside windows and bf16-mixed: the parameters
+    after `fit` are the same, bit for bit, with and without the noise scale, and it measures."""
+    package = h.PACKAGES[namespace]
+    callbacks = package.callbacks
+
+    def run(noise_scale: bool) -> tuple[Any, Any]:
+        extra: list[Any] = {
+            "finetuning": lambda: [callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+            "swa": lambda: [callbacks.StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)],
+            "ema": lambda: [callbacks.EMAWeightAveraging()],
+            "early_stop_checkpoint": lambda: [
+                callbacks.EarlyStopping(monitor="val_loss", patience=5),
+                callbacks.ModelCheckpoint(dirpath=tmp_path / str(noise_scale), every_n_train_steps=2),
+            ],
+            "bf16": lambda: [],
+        }[combination]()
+        accumulation = h.accumulation_callback(namespace, 4, noise_scale=noise_scale)
+        trainer = h.trainer(
+            namespace,
+            callbacks=[accumulation, *extra],
+            max_epochs=3,
+            val_check_interval=3,  # inside windows of 4
+            precision="bf16-mixed" if combination == "bf16" else "32-true",
+            deterministic=False,
+            enable_checkpointing=combination == "early_stop_checkpoint",
+        )
+        module = _combined_module(namespace)
+        trainer.fit(module)
+        return [p.detach().clone() for p in module.net.parameters()], accumulation.stats
+
+    plain, _ = run(False)
+    measured, stats = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, measured, strict=True))
+    assert math.isfinite(stats.grad_sq_norm_estimate) or math.isfinite(stats.noise_scale)
