@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import pytorch_lightning as pl
 import torch
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from .core import GradAccumulator
@@ -27,7 +28,7 @@ from .core.validation import AccumulationSettings
 from .core.weighting import ItemCount
 from .namespaces import CALLBACK_IMPORTS, PYTORCH_LIGHTNING, LightningNamespace, namespace, namespace_of
 from .schedule import AccumulationPlan
-from .sharded_sync import REDUCTIONS, ShardedSync, fsdp1_roots
+from .sharded_sync import REDUCTIONS, ShardedSync
 from .stats import AccumulationStats
 
 # Type-checked against pytorch_lightning's Callback (both namespaces have the same hooks); a plain mixin at
@@ -293,6 +294,10 @@ class GradientAccumulationLogic(_LogicBase):
         self._scaler: torch.amp.GradScaler | None = None
         self._signature: tuple[tuple[int, int], ...] = ()
         self._sync = ShardedSync(torch.nn.Module())  # when FSDP reduces: set at train start
+        self._ddp_without_sync: DistributedDataParallel | None = (
+            None  # per-micro-batch modes: DDP never syncs
+        )
+        self._flush_before_last_backward = False  # DDP's one all-reduce carries the buffered window
         # per micro-batch
         self._pending_items: Any = None
         self._pending_error: str | None = None
@@ -300,6 +305,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._pending_count: ItemCount | None = None
         self._pending_loss: Tensor | None = None
         self._backward_in_batch = False  # a backward ran in this batch (False: training_step returned None)
+        self._last_backward = False  # this batch's backward ends the window (asked under DDP, FSDP, AMP)
         self._finalized_in_batch = False  # the window was finalized in this batch (LBFGS re-evaluates)
         self._stepped = False
         self._clipping_paused: Any = None  # the precision plugin whose clipping is paused for this step
@@ -311,6 +317,7 @@ class GradientAccumulationLogic(_LogicBase):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_applied_to"] = None  # a weak reference does not pickle (ddp_spawn pickles the callbacks)
+        state["_ddp_without_sync"] = None  # the model of a fit, not the callback's
         return state
 
     # ------------------------------------------------------------------------------------ reporting
@@ -354,6 +361,9 @@ class GradientAccumulationLogic(_LogicBase):
         if stage != "fit":
             return
         self._check_compatibility(trainer, pl_module)
+        if self._accumulator is not None and not self._accumulator.window.empty:
+            # the last fit raised inside a window: it can never be stepped, and any K may follow
+            self._accumulator.reset(set_grads_to_none=True)
         trainer_k = trainer.accumulate_grad_batches
         applied_here = (
             self._applied_k if self._applied_to is not None and self._applied_to() is trainer else None
@@ -529,7 +539,6 @@ class GradientAccumulationLogic(_LogicBase):
                 )
         self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
         self._check_optimizers(trainer)
-        self._build_accumulator(trainer, pl_module)
         assert trainer.model is not None
         try:
             self._sync = sync = ShardedSync(trainer.model, reduction=self.sharded_reduction)
@@ -544,19 +553,38 @@ class GradientAccumulationLogic(_LogicBase):
                 f" gradient, but with `sharded_reduction={self.sharded_reduction!r}` FSDP holds it unsynced"
                 " until the window's last backward. Use `sharded_reduction='every_micro_batch'`."
             )
-        if sync.defers and sync.fsdp1 and self.settings.accumulation_dtype is not None:
+        if sync.defers and self.settings.accumulation_dtype is not None:
             raise RuntimeError(
-                "`accumulation_dtype` cannot be combined with `sharded_reduction='window_end'` under"
-                " `FSDPStrategy`: inside `no_sync()` FSDP accumulates the window's whole gradients in its own"
-                " storage (the parameters' dtype), so there is no slice to buffer. Use"
-                " `sharded_reduction='every_micro_batch'` with buffers."
+                f"`accumulation_dtype={self.settings.accumulation_dtype}` cannot take effect with"
+                f" `sharded_reduction={self.sharded_reduction!r}`: FSDP then accumulates the window's"
+                " gradients inside itself and `.grad` receives the window only at its last backward, so the"
+                " buffers would never see a micro-batch. Use `sharded_reduction='every_micro_batch'` with"
+                " buffers, or (FSDP2) accumulate in float32 inside FSDP with"
+                " `fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))`."
             )
         if self.sharded_reduction != "every_micro_batch" and not sync.defers:
+            if sync.sharded:  # "replicas_at_window_end" on FSDP2 without a replicate dimension
+                reason = (
+                    "no module is sharded over an HSDP mesh (a replicate and a shard dimension), so there is"
+                    " no all-reduce across replicas to defer. Use 'window_end' to defer the reduce-scatter."
+                )
+            else:
+                reason = "no module is sharded by FSDP (DDP already reduces once per window)."
             self._api.rank_zero_warn(
-                f"`sharded_reduction={self.sharded_reduction!r}` has no effect: no module of the"
-                " LightningModule is sharded by FSDP (DDP already reduces once per window)"
-                + (" on an HSDP mesh." if self.sharded_reduction == "replicas_at_window_end" else ".")
+                f"`sharded_reduction={self.sharded_reduction!r}` has no effect: {reason}"
             )
+        # DDP with a per-micro-batch mode: no backward of the window syncs, so that its last micro-batch too
+        # is checked and clipped on its own; the core averages the window over the ranks at its end instead.
+        ddp = trainer.model if isinstance(trainer.model, DistributedDataParallel) else None
+        self._ddp_without_sync = ddp if per_micro_batch and trainer.world_size > 1 else None
+        self._build_accumulator(trainer, pl_module, reduce_gradients=self._ddp_without_sync is not None)
+        if self._ddp_without_sync is not None:
+            self._ddp_without_sync.require_backward_grad_sync = False  # `no_sync()` for the whole fit
+        # The window's last backward syncs: before it the buffers go into `.grad`, so that DDP's one
+        # all-reduce carries the whole window (as without buffers).
+        self._flush_before_last_backward = (
+            trainer.world_size > 1 and not sync.sharded and self._ddp_without_sync is None
+        )
         self._go_first(trainer)  # again: another callback may have moved itself in its own `setup`
 
     def _go_first(self, trainer: pl.Trainer) -> None:
@@ -611,7 +639,9 @@ class GradientAccumulationLogic(_LogicBase):
                 f" {effective}."
             )
 
-    def _build_accumulator(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _build_accumulator(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, reduce_gradients: bool
+    ) -> None:
         k = trainer.accumulate_grad_batches
         world_size = trainer.world_size
         previous = self._accumulator
@@ -629,7 +659,8 @@ class GradientAccumulationLogic(_LogicBase):
             world_size=world_size,
             settings=self.settings,
             grad_scaler=self._scaler,
-            fsdp_module=model if model is not None and fsdp1_roots(model) else None,  # FSDP1: flat slices
+            fsdp_module=model if self._sync.sharded else None,  # FSDP1's flat slices, FSDP2's held gradients
+            reduce_gradients=reduce_gradients,
         )
         accumulator.loss_scale = 1.0 / k  # Lightning divides every loss by K
         self._signature = _param_groups_signature(trainer)
@@ -699,7 +730,9 @@ class GradientAccumulationLogic(_LogicBase):
     ) -> None:
         accumulator = self._accumulator
         assert accumulator is not None
-        self._stepped = self._backward_in_batch = self._finalized_in_batch = False
+        self._stepped = self._backward_in_batch = self._finalized_in_batch = self._last_backward = False
+        if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
+            self._follow_param_groups(trainer, pl_module)  # window measures the new set from its start
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
         if not trainer.fit_loop._skip_backward:
             if not accumulator.window.empty and lightning_zeroes:
@@ -749,13 +782,12 @@ class GradientAccumulationLogic(_LogicBase):
         self._pending_loss = loss.detach().clone() if weighted else loss.detach()
         count.weigh_loss(loss, in_place=True)
         accumulator.begin_backward()  # noise_scale: only this backward's gradients are this micro-batch's
-        synchronizing = self._sync.defers or trainer.world_size > 1 or self._scaler is not None
-        last = synchronizing and not _should_accumulate(trainer)  # this backward ends the window
+        synchronizing = self._sync.defers or self._flush_before_last_backward or self._scaler is not None
+        # whether this backward ends the window (asked only where it matters: a private Lightning call)
+        self._last_backward = last = synchronizing and not _should_accumulate(trainer)
         self._sync.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
-        if last and (trainer.world_size > 1 or self._scaler is not None):
-            # Buffers go back into .grad before the last backward of the window, so that DDP's one
-            # all-reduce carries the whole window and the GradScaler unscales and checks all of it.
-            accumulator.flush_to_grad()
+        if last and self._flush_before_last_backward:
+            accumulator.flush_to_grad()  # DDP's one all-reduce then carries the whole window
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -765,6 +797,10 @@ class GradientAccumulationLogic(_LogicBase):
         self._accumulator.record(
             self._pending_count, self._pending_loss, reevaluation=self._finalized_in_batch
         )
+        if self._last_backward and self._scaler is not None:
+            # after the last micro-batch went through the buffers (checked and clipped on its own): the
+            # scaler unscales and checks `.grad` before `on_before_optimizer_step`
+            self._accumulator.flush_to_grad()
         self._backward_in_batch = True
         self._pending_loss = self._pending_count = None
 
@@ -800,6 +836,8 @@ class GradientAccumulationLogic(_LogicBase):
         logs = self.log_stats and bool(trainer.loggers) and trainer._logger_connector.should_update_logs
         stepped = accumulator.finalize(reevaluation=self._finalized_in_batch, read_statistics=logs)
         self._finalized_in_batch = self._stepped = True
+        if self._ddp_without_sync is not None:  # buffers sync at the next forward, as after a synced pass
+            self._ddp_without_sync.require_forward_param_sync = True
         if steps_itself:
             assert self._scaler is not None
             if stepped:  # Lightning's clipping (and the module's hook), before the step it would miss
@@ -878,23 +916,31 @@ class GradientAccumulationLogic(_LogicBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self._resume_clipping()
-        if self._accumulator is not None:
-            self._accumulator.remove_hooks()
+        self._restore_ddp_sync()
+        if self._accumulator is not None:  # its open window stays for a checkpoint saved after this hook
+            self._accumulator.remove_hooks()  # (`OnExceptionCheckpoint`); the next `fit` discards it
         # With sync off FSDP keeps a window's gradients unsharded inside itself, where neither `zero_grad`
         # nor the next window would clear them: the next synced backward would add them in.
         self._sync.restore(discard=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_ddp_sync()
         self._sync.restore(discard=self._accumulator is not None and not self._accumulator.window.empty)
         if self._accumulator is not None and not self._accumulator.window.empty:
             self._api.rank_zero_warn(
                 f"Training ended inside a window: {self._accumulator.window.micro_batches} micro-batch(es)"
                 " were back-propagated but never stepped; their gradients are discarded."
             )
-            self._accumulator.reset(set_grads_to_none=False)
+            self._accumulator.reset(set_grads_to_none=True)
         if self._accumulator is not None:
             self._accumulator.remove_hooks()
+
+    def _restore_ddp_sync(self) -> None:
+        """DDP's own gradient sync again, after a fit that turned it off (per-micro-batch modes)."""
+        ddp, self._ddp_without_sync = self._ddp_without_sync, None
+        if ddp is not None:
+            ddp.require_backward_grad_sync = True
 
     # ------------------------------------------------------------------------------------- checkpoint
 

@@ -17,19 +17,7 @@ from typing import Any
 
 import torch
 
-
-def fsdp2_modules(module: torch.nn.Module) -> list[Any]:
-    """The modules sharded with FSDP2's ``fully_shard`` (each sets its own gradient sync).
-
-    Example:
-        >>> fsdp2_modules(torch.nn.Linear(2, 2))
-        []
-    """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return []
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+from .core.shards import fsdp2_modules
 
 
 def fsdp1_roots(module: torch.nn.Module) -> list[Any]:
@@ -93,13 +81,14 @@ class ShardedSync:
 
     Example:
         >>> sync = ShardedSync(torch.nn.Linear(2, 2), reduction="window_end")
-        >>> sync.defers, sync.fsdp1
-        (False, False)
+        >>> sync.defers, sync.fsdp1, sync.sharded
+        (False, False, False)
     """
 
     def __init__(self, module: torch.nn.Module, *, reduction: str = "every_micro_batch") -> None:
         self._fsdp2 = fsdp2_modules(module)
         self._fsdp1 = fsdp1_roots(module)
+        self.sharded = bool(self._fsdp2 or self._fsdp1)  # FSDP reduces every micro-batch's gradient itself
         self._all_reduce_only = reduction == "replicas_at_window_end"
         if self._all_reduce_only and self._fsdp1:
             raise ValueError(

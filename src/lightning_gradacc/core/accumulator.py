@@ -140,10 +140,17 @@ class GradAccumulator:
         noise_scale_every: Measure one window in this many (the others cost nothing; the estimates stay
             unbiased, with fewer samples).
         settings: The math settings above, already checked (instead of passing them one by one).
-        fsdp_module: The model wrapped by FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``) whose
-            parameters these are: their gradients are flat slices of the whole, and their norms are combined
-            over each wrapper's shard group. Required for such parameters (FSDP2's ``DTensor`` gradients
-            describe themselves).
+        fsdp_module: The model wrapped by FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``) or
+            FSDP2 (``fully_shard``) whose parameters these are. FSDP1's gradients are flat slices of the
+            whole, and their norms are combined over each wrapper's shard group: required for such
+            parameters. With FSDP2 (whose ``DTensor`` gradients describe themselves) it lets a mid-window
+            :meth:`window_state_dict` tell, parameter by parameter, a gradient FSDP2 holds unsynced.
+        reduce_gradients: Average the window's buffered sums over the data-parallel ranks when they leave
+            the buffers (:meth:`flush_to_grad` or :meth:`finalize`), instead of relying on DDP's backward:
+            for DDP with every backward of the window under ``no_sync()``, which the per-micro-batch modes
+            need so that the window's last micro-batch is checked and clipped on its own too. Needs
+            ``accumulation_dtype``; costs one all-reduce of the buffers per step (not overlapped with the
+            backward) and one small host sync to learn which parameters hold a gradient on some rank.
 
     Example:
         A complete loop with 10 micro-batches and K=4: windows of 4, 4 and a partial window of 2, each
@@ -188,6 +195,7 @@ class GradAccumulator:
         grad_scaler: Any = None,
         settings: AccumulationSettings | None = None,
         fsdp_module: torch.nn.Module | None = None,
+        reduce_gradients: bool = False,
     ) -> None:
         self._accumulation_steps = check_positive_int("accumulation_steps", accumulation_steps)
         given = dict(
@@ -233,6 +241,14 @@ class GradAccumulator:
                 stacklevel=2,
             )
         self._layouts()
+        self._reduce_gradients = bool(reduce_gradients)
+        if reduce_gradients and (dtype is None or self._sharded):
+            raise ValueError(
+                "Argument `reduce_gradients=True` averages the accumulation buffers over ranks: it needs"
+                " `accumulation_dtype` and unsharded parameters (FSDP reduces sharded gradients itself),"
+                f" but got accumulation_dtype={dtype} with {'sharded' if self._sharded else 'plain'}"
+                " parameters."
+            )
         self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self._ledger = Ledger(self._ledger_dtype)
         self._noise: NoiseScale | None = None
@@ -567,12 +583,24 @@ class GradAccumulator:
         """Write the buffered window into ``.grad`` so that the next backward adds to it.
 
         Call it before the backward that DDP synchronizes (its all-reduce then carries the whole window:
-        one gradient all-reduce per step, as without buffers) or that a GradScaler unscales and checks.
-        That micro-batch is then not checked on its own: a non-finite gradient in it makes the whole
-        window non-finite. Without buffers this does nothing.
+        one gradient all-reduce per step, as without buffers); that micro-batch is then not checked on its
+        own, so the per-micro-batch modes use ``reduce_gradients=True`` instead. Call it after the window's
+        last :meth:`record` for a GradScaler, which unscales and checks ``.grad``. With
+        ``reduce_gradients`` the sums are averaged over ranks first. Without buffers this does nothing.
         """
         if self._buffers is not None and self._window.flush():
+            self._average_over_ranks()
             self._buffers.write_to_grads()
+
+    def _average_over_ranks(self) -> None:
+        """``reduce_gradients``: the window's buffered sums become their mean over ranks (at its end)."""
+        world_size, all_reduce = self._world.resolve()
+        if not self._reduce_gradients or all_reduce is None:
+            return
+        assert self._buffers is not None
+        held = torch.tensor([float(h) for h in self._buffers.held], device=self.device)
+        anywhere = all_reduce(held).tolist()  # the one host sync: which parameters get a gradient
+        self._buffers.average_over_ranks(all_reduce, world_size, [count > 0 for count in anywhere])
 
     # ---------------------------------------------------------------------------------------- boundary
 
@@ -654,6 +682,7 @@ class GradAccumulator:
         """
         if window.sums_in_buffers:
             assert self._buffers is not None
+            self._average_over_ranks()
             sources, layout = self._buffers.window(), self._buffer_groups  # dense by construction
         else:
             sources, layout = [param.grad for _, param in self._named], self._grad_groups

@@ -9,7 +9,7 @@ grows by exactly the buffers; the final gradient is written back to ``.grad`` on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -78,6 +78,11 @@ class GradBuffers:
     def holds_window(self) -> bool:
         """Whether the buffers hold gradients of the open window."""
         return any(self._holds)
+
+    @property
+    def held(self) -> list[bool]:
+        """Per parameter, whether its buffer holds a gradient of the open window."""
+        return list(self._holds)
 
     def window(self) -> list[Tensor | None]:
         """The open window's sum per parameter (``None`` where a parameter has no gradient in it)."""
@@ -161,6 +166,39 @@ class GradBuffers:
             self._holds[i] = True
         if targets:
             self._copy(targets, sources)
+
+    def average_over_ranks(
+        self, all_reduce: Callable[[Tensor], Tensor], world_size: int, held_anywhere: Sequence[bool]
+    ) -> None:
+        """Replace every buffer by its mean over the ranks (what DDP's backward does to ``.grad``).
+
+        Args:
+            all_reduce: Sums a tensor over the ranks in place and returns it.
+            world_size: The ranks the sum is divided by.
+            held_anywhere: Per parameter, whether any rank's buffer holds a gradient of the window (the
+                same on every rank): those take part, with zeros where this rank holds none; the others
+                stay without a gradient, as DDP leaves a parameter no rank used.
+        """
+        taking_part = [i for i, held in enumerate(held_anywhere) if held]
+        for i in taking_part:
+            if self._buffers[i] is None:
+                self._buffers[i] = torch.zeros_like(self.params[i], dtype=self.dtype)
+            elif not self._holds[i]:
+                self._buffers[i].zero_()  # type: ignore[union-attr]
+            self._holds[i] = True
+        buffers = [buffer for i in taking_part if (buffer := self._buffers[i]) is not None]
+        # One all-reduce per bucket of up to 2**25 elements: few calls, bounded extra memory.
+        bucket: list[Tensor] = []
+        elements = 0
+        for index, buffer in enumerate(buffers):
+            bucket.append(buffer)
+            elements += buffer.numel()
+            if index + 1 < len(buffers) and elements + buffers[index + 1].numel() <= 2**25:
+                continue
+            flat = all_reduce(torch.cat([b.reshape(-1) for b in bucket])).div_(world_size)
+            pieces = torch.split(flat, [b.numel() for b in bucket])
+            self._copy(bucket, [piece.view_as(b) for piece, b in zip(pieces, bucket, strict=True)])
+            bucket, elements = [], 0
 
     def forget(self, index: int) -> None:
         """Take parameter ``index`` out of the open window (its buffer is overwritten next time)."""

@@ -11,13 +11,13 @@ all-or-nothing: every check runs before anything is modified, and the first mism
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from .shards import as_sharded_like, distribute_like, local_shards
+from .shards import as_sharded_like, distribute_like, fsdp2_held_back, local_shards
 
 if TYPE_CHECKING:
     from .accumulator import GradAccumulator
@@ -31,6 +31,7 @@ def check_window_state(
     expected: Mapping[str, tuple[torch.Size, torch.dtype]],
     kind: str,
     world_size: int,
+    sharded: Collection[str] = (),
 ) -> None:
     """Raise ``ValueError`` naming the first way ``state`` does not fit the model and the accumulator.
 
@@ -40,6 +41,8 @@ def check_window_state(
             has no tensor for had no gradient in the window.
         kind: ``"grads"`` or ``"buffers"``: where the accumulator keeps the window's sum now.
         world_size: Ranks now.
+        sharded: The names of the parameters sharded now (FSDP1 or FSDP2): a window saved under another
+            layout holds its sums in another form (whole and averaged over ranks, or this rank's sum).
 
     Example:
         >>> check_window_state(
@@ -69,6 +72,18 @@ def check_window_state(
     tensors = state.get("tensors")
     if not isinstance(tensors, Mapping):
         raise ValueError("The checkpoint's pending window has no `tensors`.")
+    saved_sharded = set(state.get("sharded", ()))
+    for name in tensors:
+        if name in expected and (name in saved_sharded) != (name in sharded):
+            then, now = (
+                ("sharded by FSDP" if name in saved_sharded else "not sharded"),
+                ("sharded by FSDP" if name in sharded else "not sharded"),
+            )
+            raise ValueError(  # the sums differ in form: whole and averaged, or one rank's sum
+                f"The checkpoint's pending window was saved with parameter `{name}` {then}, but it is"
+                f" {now} in this run. Resume with the same strategy, or from a checkpoint taken at the end"
+                " of a window."
+            )
     for name, tensor in tensors.items():
         if name not in expected:
             raise ValueError(
@@ -104,11 +119,17 @@ def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
         return None
     shard_groups = local_shards([p for _, p in accumulator._named])[1]
     in_buffers = window.sums_in_buffers
-    if (
+    module = accumulator._fsdp_module
+    if module is not None:  # decided per parameter
+        held = fsdp2_held_back(module)
+        names = [name for name, param in accumulator._named if id(param) in held]
+        if names:
+            raise NotImplementedError(UNSYNCED.format("FSDP2") + f" Held back: {', '.join(names)}.")
+    elif (
         any(group is not None for group in shard_groups)
         and not in_buffers
         and all(p.grad is None for _, p in accumulator._named)
-    ):
+    ):  # without the module only a window with no gradient at all shows it
         raise NotImplementedError(UNSYNCED.format("FSDP2"))
     flat = accumulator._flat_shards
     if not in_buffers and any(
@@ -195,7 +216,13 @@ def load_open_window(accumulator: GradAccumulator, state: Mapping[str, Any], *, 
         for (name, param), shard in zip(accumulator._named, flat, strict=True)
     }
     world_size, _ = accumulator._world.resolve()
-    check_window_state(state, expected, kind, world_size)
+    groups = local_shards([param for _, param in accumulator._named])[1]
+    sharded_now = {
+        name
+        for (name, _), piece, group in zip(accumulator._named, flat, groups, strict=True)
+        if piece is not None or group is not None
+    }
+    check_window_state(state, expected, kind, world_size, sharded_now)
     amp_now = accumulator._amp_scale_value()
     # a window saved by 0.1's core records neither scale: it is taken to carry the ones in force now
     saved_scale = float(state.get("loss_scale", accumulator._loss_scale)) * float(

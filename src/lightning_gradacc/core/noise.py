@@ -184,12 +184,13 @@ class NoiseScale:
     def watch(self, params: Sequence[Tensor]) -> None:
         """Hook the parameters that require a gradient (again, if the set changed).
 
-        A window already open then becomes unusable: its earlier micro-batches were measured on others.
+        A window already open then becomes unusable: its earlier micro-batches were measured on others, and
+        so was a backward that ran since the last record (its micro-batch is recorded next).
         """
         watched = tuple(p for p in params if p.requires_grad)
         if _same(watched, self._watched):
             return
-        if self._micro_batches_recorded:
+        if self._micro_batches_recorded or self._fired:
             self._unusable = True
         _remove_handles(self._handles)
         self._watched = watched

@@ -209,3 +209,46 @@ def flat_shards(module: torch.nn.Module) -> dict[int, FlatShard | None]:
 def is_fsdp_flattened(param: Tensor) -> bool:
     """Whether FSDP1 flattened ``param`` (then its ``.grad`` may be a slice: see :class:`FlatShard`)."""
     return bool(getattr(param, "_fsdp_flattened", False))  # the mark FSDP1 sets on what it flattened
+
+
+def fsdp2_modules(module: torch.nn.Module) -> list[Any]:
+    """The modules sharded with FSDP2's ``fully_shard`` (each sets its own gradient sync).
+
+    Example:
+        >>> fsdp2_modules(torch.nn.Linear(2, 2))
+        []
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp2_held_back(module: torch.nn.Module) -> set[int]:
+    """The sharded parameters (by ``id``) whose window gradient FSDP2 holds back inside itself.
+
+    While its gradient sync is off (``set_requires_gradient_sync(False)``) FSDP2 accumulates each rank's
+    unsharded gradient in its own state and leaves ``.grad`` alone; while only the all-reduce across
+    replicas is off (``set_requires_all_reduce(False)``, HSDP) the reduce-scattered sum waits in the
+    parameter group. Either way ``.grad`` does not hold the window (FSDP2's private state, read only).
+
+    Example:
+        >>> fsdp2_held_back(torch.nn.Linear(2, 2))
+        set()
+    """
+    held: set[int] = set()
+    for sharded_module in fsdp2_modules(module):
+        group: Any = getattr(sharded_module._get_fsdp_state(), "_fsdp_param_group", None)
+        if group is None:
+            continue
+        partial = getattr(group, "_partial_reduce_output", None) is not None
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if (
+                partial
+                or getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None
+                or (unsharded is not None and unsharded.grad is not None)
+            ):
+                held.add(id(fsdp_param.sharded_param))
+    return held

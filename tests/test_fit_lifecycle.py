@@ -1,0 +1,128 @@
+"""What a fit leaves behind and what the next one starts from: a fit that raised inside a window, training
+ended inside a window, and a parameter group added between windows (``BaseFinetuning``) with the noise
+scale measuring."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import BackboneFinetuning
+from torch import nn
+
+from lightning_gradacc import GradAccumulator, GradientAccumulationCallback
+from tests import helpers as h
+
+
+class FailsAt(h.RegressionModule):
+    """Raises in ``training_step`` at one micro-batch index (inside a window)."""
+
+    def __init__(self, fail_at: int | None, **kwargs: Any) -> None:
+        super().__init__(h.regression_data(40), **kwargs)
+        self.fail_at = fail_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == self.fail_at:
+            raise RuntimeError("preempted")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("next_k", ["trainer", "target_batch_size"])
+def test_a_fit_after_a_fit_that_raised_inside_a_window_starts_afresh_with_another_k(next_k: str) -> None:
+    callback = (
+        GradientAccumulationCallback()
+        if next_k == "trainer"
+        else GradientAccumulationCallback(target_batch_size=16)  # micro-batches of 4: K=4, then 2 of 8
+    )
+    module = FailsAt(fail_at=6)  # window 1 holds micro-batches 4 and 5 when it raises
+    first = h.trainer(callbacks=[callback], accumulate_grad_batches=4 if next_k == "trainer" else 1)
+    with pytest.raises(RuntimeError, match="preempted"):
+        first.fit(module)
+    start = copy.deepcopy(module.net)
+    module.fail_at = None
+    if next_k == "target_batch_size":
+        module.batch_size = 8
+    second = h.trainer(callbacks=[callback], accumulate_grad_batches=2 if next_k == "trainer" else 1)
+    second.fit(module)
+    batch_size = 4 if next_k == "trainer" else 8
+    windows = h.windows(40 // batch_size, 2)
+    expected = h.big_batch_reference(start, h.regression_data(40), batch_size, windows, h.mse)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    assert callback.stats.accumulation_steps == 2
+
+
+class StopsInsideAWindow(pl.Callback):
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if args[-1] == 5:  # batch_idx: window 1 holds 2 of its 4 micro-batches
+            trainer.should_stop = True
+
+
+def test_training_that_ends_inside_a_window_discards_its_gradients() -> None:
+    module = h.RegressionModule(h.regression_data(40))
+    callback = GradientAccumulationCallback(4)
+    trainer = h.trainer(callbacks=[callback, StopsInsideAWindow()], min_epochs=0)
+    with pytest.warns(UserWarning, match="Training ended inside a window: 2 micro-batch"):
+        trainer.fit(module)
+    assert all(p.grad is None for p in module.net.parameters())
+    assert h.max_abs_diff(module.net, h.regression_reference([[0, 1, 2, 3]])) < 1e-6
+
+
+# ------------------------------------------------------------------ a group added, noise scale measuring
+
+
+class Backbone(h.RegressionModule):
+    """Learning rate 0: the model is fixed, so every window's estimate depends only on its data."""
+
+    def __init__(self) -> None:
+        super().__init__(h.regression_data(32), lr=0.0)
+        self.backbone = self.net[0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.0)
+
+
+def _estimates_by_window(finetuning: bool) -> list[tuple[float, float]]:
+    rows: list[tuple[float, float]] = []
+
+    class Read(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if (args[-1] + 1) % 4 == 0:  # batch_idx: a window's last micro-batch
+                stats = callback.stats
+                rows.append((stats.grad_sq_norm_estimate, stats.trace_sigma_estimate))
+
+    callback = GradientAccumulationCallback(4, noise_scale=True)
+    extra = [BackboneFinetuning(unfreeze_backbone_at_epoch=1)] if finetuning else []
+    h.trainer(callbacks=[callback, *extra, Read()], max_epochs=2).fit(Backbone())
+    return rows
+
+
+def test_a_group_added_at_an_epoch_start_is_measured_from_the_window_s_first_micro_batch() -> None:
+    """``BackboneFinetuning`` adds the backbone's group in ``on_train_epoch_start``: the first window of
+    epoch 1 measures the whole model from its first micro-batch, as a run that never froze it does."""
+    finetuned = _estimates_by_window(finetuning=True)
+    never_frozen = _estimates_by_window(finetuning=False)
+    assert len(finetuned) == len(never_frozen) == 4
+    assert finetuned[0] != pytest.approx(never_frozen[0], rel=1e-3)  # epoch 0: the backbone is frozen
+    for window in (2, 3):
+        assert finetuned[window] == pytest.approx(never_frozen[window], rel=1e-9)
+
+
+def test_a_set_changed_after_a_backward_leaves_that_window_unmeasured() -> None:
+    """Tracked after the window's first backward ran (its norms were taken on the old set): no estimate."""
+    net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
+    net[0].requires_grad_(False)
+    accumulator = GradAccumulator(net.named_parameters(), 2, noise_scale=True)
+    x, y = h.regression_data(32).tensors
+    accumulator.begin_backward()
+    nn.functional.mse_loss(net(x[:8]), y[:8]).backward()
+    net[0].requires_grad_(True)
+    accumulator.track(net.named_parameters())  # as the callback does after a backward
+    accumulator.record(8)
+    accumulator.backward(nn.functional.mse_loss(net(x[8:16]), y[8:16]), items=8)
+    accumulator.finalize()
+    assert math.isnan(accumulator.stats.trace_sigma_estimate)
+    accumulator.remove_hooks()
