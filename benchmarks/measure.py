@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradacc import GradAccumulator, GradientAccumulationCallback
-from lightning_gradacc.core import WindowPeakMemory
+from lightning_gradacc.core import PeakMemory
 
 from .workloads import Size, lightning_run, synchronize
 
@@ -90,21 +90,26 @@ def boundary_pass(params: list[Tensor], device: str, repeats: int) -> dict[str, 
 
 
 class PeakProbe(pl.Callback):
-    """Peak memory over the whole training run (allocator peak on CUDA, resident peak on CPU).
+    """Peak memory over the training run (allocator peak on CUDA, resident peak on CPU).
 
-    The accumulation callback resets the process-wide peak after each logged step, so this probe (placed
-    before it) reads the peak at every point where a reset may follow and keeps the maximum.
+    It runs in a process of its own (:func:`peak_memory_in_subprocess`), so it may reset the process-wide
+    peak when training starts (the package itself never does): set-up is then not counted.
     """
 
     def __init__(self, device: str) -> None:
-        self.tracker = WindowPeakMemory(torch.device(device))
+        self.device = torch.device(device)
+        self.tracker = PeakMemory(self.device)
         self.peak = 0
 
     def _read(self) -> None:
         self.peak = max(self.peak, self.tracker.read())
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self.tracker.start()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif sys.platform.startswith("linux"):
+            with open("/proc/self/clear_refs", "w") as clear_refs:  # resets VmHWM (this process only)
+                clear_refs.write("5")
 
     def on_before_optimizer_step(self, *args: Any) -> None:
         self._read()

@@ -888,8 +888,6 @@ class GradientAccumulationLogic(_LogicBase):
         self._resume_clipping()
         if self.log_stats and trainer.loggers and trainer._logger_connector.should_update_logs:
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1)
-            assert self._accumulator is not None
-            self._accumulator.reset_peak_memory()  # the next logged peak covers the steps until then
 
     def metrics(self) -> dict[str, float]:
         """The logged scalars: ``LOGGED_STATISTICS`` and ``window_loss``, under ``grad_accum/``."""

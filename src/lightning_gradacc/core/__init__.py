@@ -11,7 +11,7 @@ from .accumulator import GradAccumulator
 from .boundary import apply_, clip_grads_, decide, measure
 from .errors import GradientOverflowError
 from .kernels import clamp_, group_by_device_and_dtype, scale_, total_norm
-from .memory import WindowPeakMemory
+from .memory import PeakMemory
 from .stats import AccumulationStats
 from .store import WindowGradients
 from .weighting import ItemCount, ItemWeighting
@@ -23,10 +23,10 @@ __all__ = [
     "GradientOverflowError",
     "ItemCount",
     "ItemWeighting",
+    "PeakMemory",
     "Window",
     "WindowClosedError",
     "WindowGradients",
-    "WindowPeakMemory",
     "WindowState",
     "apply_",
     "clamp_",

@@ -31,7 +31,7 @@ from .checkpoint import FORMAT_VERSION, READABLE_VERSIONS, load_open_window, sav
 from .errors import GradientOverflowError
 from .kernels import GroupKey, combine_norms, non_finite_names, tensor_norms
 from .ledger import COUNTERS, Ledger
-from .memory import WindowPeakMemory
+from .memory import PeakMemory
 from .micro_batch import absorb_micro_batch
 from .noise import NoiseScale
 from .shards import FlatShard, combine_shard_norms, flat_shards, is_fsdp_flattened, local_shards
@@ -264,8 +264,7 @@ class GradAccumulator:
                 self._ledger_dtype,
                 weighted=settings.scaling == "weighted",
             )
-        self._memory = WindowPeakMemory(self.device)  # reset when the statistics are read, not per window
-        self._memory.start()
+        self._memory = PeakMemory(self.device)  # read when the statistics are read; never reset
         self._weighting = ItemWeighting(settings.scaling == "weighted", self._scalar, self._world)
         # Counters that never depend on tensor values live on the host.
         self._windows = 0
@@ -987,7 +986,7 @@ class GradAccumulator:
         """A frozen snapshot of the statistics (syncs once if a window closed since the last read)."""
         ledger = self._ledger.values(deferred=False)
         ledger.pop("window_loss")  # not a field of the snapshot: see `window_loss`
-        self._peak_memory_bytes = self._memory.read()  # since creation or `reset_peak_memory` (a syscall)
+        self._peak_memory_bytes = self._memory.read()  # the process's peak so far (a file read)
         return AccumulationStats(
             accumulation_steps=self._accumulation_steps,
             open_window_micro_batches=self._window.micro_batches,
@@ -1001,10 +1000,6 @@ class GradAccumulator:
             peak_memory_bytes=self._peak_memory_bytes,
             **{name: int(value) if name in COUNTERS else value for name, value in ledger.items()},  # type: ignore[arg-type]
         )
-
-    def reset_peak_memory(self) -> None:
-        """Start a new interval for ``peak_memory_bytes`` (the callback does after each logged step)."""
-        self._memory.start()
 
     @property
     def window_loss(self) -> float:

@@ -44,10 +44,11 @@ class AccumulationStats:
         micro_batches_last_step: Micro-batches in the last window (k, which is < K for a partial window).
         num_parameters: Trainable parameter elements tracked.
         buffer_bytes: Extra memory held by the accumulator (0: gradients accumulate in ``.grad``).
-        peak_memory_bytes: Peak device memory since the accumulator was created or its
-            ``reset_peak_memory()`` was last called (the callback calls it after each logged step) (CUDA
-            allocator peak on GPU, process resident-set peak on CPU). Measured when read: nothing is
-            measured per window.
+        peak_memory_bytes: The process's peak memory on the gradients' device so far: the CUDA
+            allocator's peak on GPU (since the process started or the user last called
+            ``torch.cuda.reset_peak_memory_stats``), the process's resident-set peak on CPU. Read when the
+            statistics are read; this package never resets a process-wide counter, so it is not a
+            window's peak.
         noise_scale: The gradient noise scale B_simple = tr(Σ) / |G|² in items (samples, tokens: what the
             item counts count), from bias-corrected exponential averages of the two estimates below
             (``noise_scale=True``; ``nan`` until a window of at least 2 micro-batches gave one). It
