@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "buffers": {"accumulation_dtype": "float64", "max_grad_norm": 0.05},
     "window_end": {"sharded_reduction": "window_end"},
     "window_end_clip": {"sharded_reduction": "window_end", "max_grad_norm": 0.05},
+    # rank 1's micro-batch 3 is nan: the window's last (of 4): only it is dropped, on both ranks
+    "skip_last_micro_batch": {"overflow": "skip_micro_batch", "accumulation_dtype": "float64"},
 }
+NAN_BATCH = {"nan_on_one_rank": 1, "skip_last_micro_batch": 3}  # batch_idx made nan on rank 1
 
 # ModelParallelStrategy only: `fully_shard` on an HSDP mesh of 2 replicas of 1 shard each
 HSDP_SCENARIOS: dict[str, dict[str, Any]] = {
@@ -77,10 +81,10 @@ def weighted_loss(prediction: torch.Tensor, target: torch.Tensor, index: torch.T
 
 
 class ShardedModule(pl.LightningModule):
-    def __init__(self, nan_on_one_rank: bool, weighted: bool, hsdp: bool = False) -> None:
+    def __init__(self, nan_batch: int | None, weighted: bool, hsdp: bool = False) -> None:
         super().__init__()
         self.net = net()
-        self.nan_on_one_rank = nan_on_one_rank
+        self.nan_batch = nan_batch
         self.weighted = weighted
         self.hsdp = hsdp
         self.seen: list[list[int]] = []
@@ -117,7 +121,7 @@ class ShardedModule(pl.LightningModule):
         loss = (
             weighted_loss(self.net(x), y, index) if self.weighted else nn.functional.mse_loss(self.net(x), y)
         )
-        if self.nan_on_one_rank and self.global_rank == 1 and batch_idx == 1:
+        if self.global_rank == 1 and batch_idx == self.nan_batch:
             loss = loss * float("nan")
         return loss
 
@@ -168,7 +172,7 @@ class ResumableModule(ShardedModule):
     """Reads its rows through a loader that resumes mid-epoch, and saves a checkpoint in a window."""
 
     def __init__(self, save_at: tuple[int, int] | None, path: Path) -> None:
-        super().__init__(nan_on_one_rank=False, weighted=False)
+        super().__init__(nan_batch=None, weighted=False)
         self.save_at, self.path = save_at, path
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -229,6 +233,17 @@ def resume(out: Path, state_dict_type: str) -> None:
             torch.save((finals, trainer.global_step), out / f"resume-{state_dict_type}.pt")
 
 
+def unsynced_save(out: Path) -> None:
+    """A checkpoint inside a window whose gradients FSDP holds unsynced (`window_end`): refused, on every
+    rank, with the reason (it used to save zeros for them)."""
+    callback = GradientAccumulationCallback(K, sharded_reduction="window_end")
+    trainer = sharded_trainer(callback, use_distributed_sampler=False)
+    try:
+        trainer.fit(ResumableModule((0, 1), out / "unsynced.ckpt"))
+    except NotImplementedError as error:
+        (out / f"unsynced-save-{trainer.global_rank}.txt").write_text(str(error))
+
+
 def main(out: Path) -> None:
     reduce_scatters = count_calls("reduce_scatter_single", "reduce_scatter_tensor")
     all_reduces = count_calls("all_reduce")
@@ -236,9 +251,7 @@ def main(out: Path) -> None:
     for name, options in scenarios.items():
         reduce_scatters[0] = all_reduces[0] = 0
         callback = GradientAccumulationCallback(K, **options)
-        module = ShardedModule(
-            name == "nan_on_one_rank", weighted=name == "weighted", hsdp=name in HSDP_SCENARIOS
-        )
+        module = ShardedModule(NAN_BATCH.get(name), weighted=name == "weighted", hsdp=name in HSDP_SCENARIOS)
         trainer = sharded_trainer(callback)
         trainer.fit(module)
         full = full_parameters(module)
@@ -256,18 +269,28 @@ def main(out: Path) -> None:
             "sharded_reduction": "window_end",
         },
     }
+    refused["buffers_window_end"] = {"accumulation_dtype": "float64", "sharded_reduction": "window_end"}
     if STRATEGY != "model_parallel":  # FSDP1 only
-        refused["buffers_window_end"] = {"accumulation_dtype": "float64", "sharded_reduction": "window_end"}
         refused["replicas_at_window_end"] = {"sharded_reduction": "replicas_at_window_end"}
         refused["lightning_norm_clip"] = {"trainer": {"gradient_clip_val": 0.05}}
     for name, options in refused.items():
         trainer_options = options.pop("trainer", {})
         try:
             sharded_trainer(GradientAccumulationCallback(K, **options), **trainer_options).fit(
-                ShardedModule(nan_on_one_rank=False, weighted=False)
+                ShardedModule(nan_batch=None, weighted=False)
             )
         except RuntimeError as error:
             (out / f"refused-{name}-{trainer.global_rank}.txt").write_text(str(error))
+    if STRATEGY == "model_parallel":  # plain FSDP2: no replicate dimension, nothing to defer
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sharded_trainer(GradientAccumulationCallback(K, sharded_reduction="replicas_at_window_end")).fit(
+                ShardedModule(nan_batch=None, weighted=False)
+            )
+        if trainer.global_rank == 0:
+            found = [str(w.message) for w in caught if "has no effect" in str(w.message)]
+            (out / "replicas_without_hsdp.txt").write_text("\n".join(found))
+    unsynced_save(out)
     for state_dict_type in ("sharded", "full") if STRATEGY == "fsdp_cuda" else ("sharded",):
         resume(out, state_dict_type)
 

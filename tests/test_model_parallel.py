@@ -50,15 +50,17 @@ def trained(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
     return out
 
 
-def _windows(out: Path, name: str) -> list[list[int]]:
-    """The samples of each window, both ranks together (windows of K micro-batches, restarting each epoch)."""
+def _windows(out: Path, name: str, drop: int | None = None) -> list[list[int]]:
+    """The samples of each window, both ranks together (windows of K micro-batches, restarting each epoch);
+    without the micro-batches of index ``drop`` in their epoch."""
     per_rank = [torch.load(out / f"{name}-seen-{rank}.pt") for rank in range(2)]
     per_epoch = len(per_rank[0]) // 2
     windows: list[list[int]] = []
     for epoch in range(2):
         for start in range(0, per_epoch, run.K):
             window = range(epoch * per_epoch + start, epoch * per_epoch + min(start + run.K, per_epoch))
-            windows.append([i for seen in per_rank for b in window for i in seen[b]])
+            kept = [b for b in window if b - epoch * per_epoch != drop]
+            windows.append([i for seen in per_rank for b in kept for i in seen[b]])
     return windows
 
 
@@ -106,6 +108,36 @@ def test_a_non_finite_micro_batch_on_one_rank_skips_on_both(trained: Path) -> No
     expected = _reference(windows, {}, skip=(0, 2))  # rank 1's batch 1 of each epoch was nan
     assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
     assert counts[:3] == (4, 2, 2)
+
+
+def test_a_non_finite_last_micro_batch_is_dropped_alone(trained: Path) -> None:
+    """Rank 1's micro-batch 3 (the last of each epoch's first window) is nan: micro-batch 3 is left out on
+    both ranks and the other three step (it used to skip the whole window)."""
+    full, counts, global_step, _ = torch.load(trained / "skip_last_micro_batch.pt")
+    windows = _windows(trained, "skip_last_micro_batch", drop=3)
+    assert [len(w) for w in windows] == [12, 8, 12, 8]
+    expected = _reference(windows, {})
+    assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
+    assert counts[:3] == (4, 0, 0) and global_step == 4
+
+
+def test_a_save_inside_a_window_held_unsynced_is_refused(trained: Path) -> None:
+    for rank in range(2):
+        message = (trained / f"unsynced-save-{rank}.txt").read_text()
+        assert "held unsynced inside FSDP" in message and "cannot be saved in the middle" in message
+    if trained.name.startswith("model_parallel"):  # FSDP2 names what it holds back
+        assert "Held back: net.0.weight, net.0.bias, net.2.weight, net.2.bias." in message
+
+
+def test_replicas_at_window_end_without_hsdp_says_why_it_does_nothing(trained: Path) -> None:
+    if not trained.name.startswith("model_parallel"):
+        pytest.skip("FSDP2 (ModelParallelStrategy) only")
+    message = (trained / "replicas_without_hsdp.txt").read_text()
+    assert message == (
+        "`sharded_reduction='replicas_at_window_end'` has no effect: no module is sharded over an HSDP mesh"
+        " (a replicate and a shard dimension), so there is no all-reduce across replicas to defer. Use"
+        " 'window_end' to defer the reduce-scatter."
+    )
 
 
 def test_window_end_reduces_once_per_window(trained: Path) -> None:
@@ -162,13 +194,19 @@ def test_resume_from_a_checkpoint_inside_a_window_is_exact(trained: Path, state_
     ("name", "expected"),
     [
         ("micro_batch_window_end", "check each micro-batch's reduced gradient, but with `sharded_reduction="),
-        ("buffers_window_end", "`accumulation_dtype` cannot be combined with `sharded_reduction="),
+        (
+            "buffers_window_end",
+            "`accumulation_dtype=torch.float64` cannot take effect with `sharded_reduction=",
+        ),
         ("replicas_at_window_end", "FSDP1 (`FSDPStrategy`) cannot defer the all-reduce across replicas"),
         ("lightning_norm_clip", "pass `GradientAccumulationCallback(max_grad_norm=0.05)`: it clips"),
     ],
 )
 def test_refused_at_train_start(trained: Path, name: str, expected: str) -> None:
-    if trained.name.startswith("model_parallel") and name != "micro_batch_window_end":
+    if trained.name.startswith("model_parallel") and name not in (
+        "micro_batch_window_end",
+        "buffers_window_end",
+    ):
         pytest.skip("FSDP1 only")
     for rank in range(2):
         assert expected in (trained / f"refused-{name}-{rank}.txt").read_text()
