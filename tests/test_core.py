@@ -485,3 +485,14 @@ def test_a_window_saved_without_its_scales_resumes_with_the_scales_in_force() ->
     restored.loss_scale = 0.5
     restored.load_window_state_dict(old)
     assert torch.equal(restored_net.weight.grad, net.weight.grad)  # taken as is, not rescaled by 0.5
+
+
+def test_a_grad_scaler_that_never_scaled_is_named_for_what_it_is() -> None:
+    """Gradients recorded under an enabled GradScaler that never scaled a loss (a loop that forgot
+    `scaler.scale`): the error says so, instead of asking for the scaler class it already is."""
+    net = nn.Linear(3, 1)
+    accumulator = GradAccumulator(net.parameters(), 1, grad_scaler=torch.amp.GradScaler("cpu"))
+    net(torch.ones(2, 3)).sum().backward()
+    accumulator.record(2)
+    with pytest.raises(RuntimeError, match=r"GradScaler has not scaled a loss yet.*scaler\.scale\(loss\)"):
+        accumulator.finalize()

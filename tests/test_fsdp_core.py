@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_gradacc import GradAccumulator
-from tests.helpers import finish_without_teardown
+from tests.helpers import leave_together
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -84,7 +84,7 @@ def _sharded_net(mesh: Any, outputs: int = 3) -> nn.Module:
 
 
 def _accumulator(net: nn.Module, mesh: Any, **options: Any) -> GradAccumulator:
-    fsdp_module = net if mesh in ("fsdp1", "fsdp1_hybrid") else None
+    fsdp_module = net if mesh in ("fsdp1", "fsdp1_hybrid") else None  # FSDP2's describe themselves
     return GradAccumulator(net.named_parameters(), K, fsdp_module=fsdp_module, **options)
 
 
@@ -153,9 +153,13 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
         results["no_sync_buffers"] = _buffers_inside_no_sync(rank, mesh)
     for name in ("mean", "buffers"):
         results[f"resumed_{name}"] = _resumed_mid_window(rank, mesh, SCENARIOS[name])
+    results["num_parameters"] = _accumulator(_sharded_net(mesh), mesh).stats.num_parameters
+    results["layouts"] = _saved_under_another_layout(rank, mesh)
+    if not kind.startswith("fsdp1"):
+        results["held_back"] = _held_back_by_part_of_the_model(rank, mesh)
     if rank == 0:
         torch.save(results, out)
-    finish_without_teardown()
+    leave_together()
 
 
 def _resumed_mid_window(rank: int, mesh: Any, options: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -177,6 +181,63 @@ def _resumed_mid_window(rank: int, mesh: Any, options: dict[str, Any]) -> dict[s
                 accumulator.load_window_state_dict(saved[0], primary=rank == 0)
         accumulator.step(optimizer)
     return _full(net)
+
+
+def _saved_under_another_layout(rank: int, mesh: Any) -> list[str]:
+    """A window saved with plain parameters loaded under FSDP, and the reverse: each refused, naming the
+    layouts, before anything changes (the plain gradients stay as they were)."""
+    x, y = _micro_batch(rank, 0, 0, False)
+
+    def accumulator_of(net: nn.Module) -> GradAccumulator:  # named as in `_net` under FSDP1 too
+        named = [(n.replace("_fsdp_wrapped_module.", ""), p) for n, p in net.named_parameters()]
+        return GradAccumulator(named, K, fsdp_module=net if mesh in ("fsdp1", "fsdp1_hybrid") else None)
+
+    saved = {}
+    for layout, net in (("plain", _net()), ("sharded", _sharded_net(mesh))):
+        accumulator = accumulator_of(net) if layout == "sharded" else _accumulator(net, None)
+        accumulator.backward(nn.functional.mse_loss(net(x), y), items=len(x))
+        saved[layout] = accumulator.window_state_dict()  # a collective: every rank saves
+    found = []
+    sharded = _sharded_net(mesh)
+    try:
+        accumulator_of(sharded).load_window_state_dict(saved["plain"], primary=rank == 0)
+        found.append("no error")
+    except ValueError as error:
+        found.append(str(error))
+    plain = _net()
+    for param in plain.parameters():
+        param.grad = torch.ones_like(param)
+    try:
+        _accumulator(plain, None).load_window_state_dict(saved["sharded"], primary=rank == 0)
+        found.append("no error")
+    except ValueError as error:
+        found.append(str(error))
+    found.append(str(all(bool((p.grad == 1).all()) for p in plain.parameters())))
+    return found
+
+
+def _held_back_by_part_of_the_model(rank: int, mesh: Any) -> str:
+    """Only the first layer sharded, its sync off: a mid-window save names the parameters FSDP2 holds
+    back (the others have plain gradients, so "no gradient at all" cannot tell)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_gradacc.sharded_sync import drop_unsynced_fsdp2
+
+    net = _net()
+    fully_shard(net[0], mesh=mesh)
+    hold = net[0].set_requires_all_reduce if mesh.ndim > 1 else net[0].set_requires_gradient_sync
+    hold(False)
+    accumulator = GradAccumulator(net.named_parameters(), K, fsdp_module=net)
+    x, y = _micro_batch(rank, 0, 0, False)
+    accumulator.backward(nn.functional.mse_loss(net(x), y), items=len(x))
+    try:
+        accumulator.window_state_dict()
+        found = "no error"
+    except NotImplementedError as error:
+        found = str(error)
+    hold(True)
+    drop_unsynced_fsdp2(net[0])
+    return found
 
 
 def _buffers_inside_no_sync(rank: int, mesh: Any) -> str:
@@ -370,3 +431,25 @@ def test_fsdp1_buffers_refuse_whole_gradients_from_no_sync(fsdp_results: dict[st
     if not fsdp_results["kind"].startswith("fsdp1"):
         pytest.skip("FSDP1's `no_sync()`")
     assert "is whole ((8, 5)), not this rank's slice ((24,))" in fsdp_results["no_sync_buffers"]
+
+
+def test_a_window_saved_under_another_layout_is_refused_before_anything_changes(
+    fsdp_results: dict[str, Any],
+) -> None:
+    into_sharded, into_plain, plain_grads_kept = fsdp_results["layouts"]
+    assert (
+        "saved with parameter `0.weight` not sharded, but it is sharded by FSDP in this run" in into_sharded
+    )
+    assert "saved with parameter `0.weight` sharded by FSDP, but it is not sharded in this run" in into_plain
+    assert plain_grads_kept == "True"
+
+
+def test_a_save_names_the_parameters_fsdp2_holds_back(fsdp_results: dict[str, Any]) -> None:
+    if fsdp_results["kind"].startswith("fsdp1"):
+        pytest.skip("FSDP2's held-back gradients")
+    assert "cannot be saved in the middle of the window" in fsdp_results["held_back"]
+    assert fsdp_results["held_back"].endswith("Held back: 0.weight, 0.bias.")
+
+
+def test_num_parameters_counts_the_whole_model_whatever_the_sharding(fsdp_results: dict[str, Any]) -> None:
+    assert fsdp_results["num_parameters"] == sum(p.numel() for p in _net().parameters())  # rank 0's

@@ -12,6 +12,7 @@ has the one for ``lightning.pytorch``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -30,6 +31,7 @@ from .namespaces import CALLBACK_IMPORTS, PYTORCH_LIGHTNING, LightningNamespace,
 from .schedule import AccumulationPlan
 from .sharded_sync import REDUCTIONS, ShardedSync
 from .stats import AccumulationStats
+from .summary import format_summary
 
 # Type-checked against pytorch_lightning's Callback (both namespaces have the same hooks); a plain mixin at
 # run time, so that each namespace's callback class can put its own Callback beside it.
@@ -188,7 +190,8 @@ class GradientAccumulationLogic(_LogicBase):
             ``accumulation_dtype``). Under a ``GradScaler`` (``precision="16-mixed"``) the scaler skips
             such steps itself; they are counted.
         log_stats: Log the statistics under ``grad_accum/`` at every optimizer step (respecting
-            ``log_every_n_steps``) to the Trainer's loggers.
+            ``log_every_n_steps``) to the Trainer's loggers and ``trainer.callback_metrics`` (also without a
+            logger: under ``ddp_spawn`` these reach the launching process).
         accumulation_dtype: Accumulate in buffers of this dtype, e.g. ``"float32"`` with
             ``precision="bf16-true"``, instead of in the parameters' dtype.
         clip_mode: ``"step"`` clips the final gradient; ``"micro_batch"`` clips each micro-batch's own
@@ -313,6 +316,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._skips_warned = 0
         self._skipped_seen = 0
         self._warned_no_items = False
+        self._log_dir: str | None = None  # the last fit's logger's, for `summary()`
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -329,6 +333,16 @@ class GradientAccumulationLogic(_LogicBase):
             return self._accumulator.stats
         plan = self._run_plan or self.plan
         return AccumulationStats(accumulation_steps=self._applied_k or plan.for_epoch(0) or 1)
+
+    def summary(self) -> str:
+        """The statistics of the last fit as the table ``lightning-gradacc fit`` prints (for scripts).
+
+        Example:
+            >>> print(GradientAccumulationCallback(4).summary().splitlines()[0])
+            Gradient accumulation summary
+        """
+        loss = self._accumulator.window_loss if self._accumulator is not None else math.nan
+        return format_summary(self.stats, loss, self._log_dir)
 
     @property
     def accumulator(self) -> GradAccumulator | None:
@@ -580,6 +594,13 @@ class GradientAccumulationLogic(_LogicBase):
         self._build_accumulator(trainer, pl_module, reduce_gradients=self._ddp_without_sync is not None)
         if self._ddp_without_sync is not None:
             self._ddp_without_sync.require_backward_grad_sync = False  # `no_sync()` for the whole fit
+            if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+                self._api.rank_zero_warn(
+                    "`DDPStrategy(ddp_comm_hook=...)` does not run with `clip_mode='micro_batch'` or"
+                    " `overflow='skip_micro_batch'`: no backward syncs through DDP there (each micro-batch"
+                    " must be checked on its own first); the window is averaged over the ranks with one"
+                    " plain all-reduce of the accumulation buffers at its end."
+                )
         # The window's last backward syncs: before it the buffers go into `.grad`, so that DDP's one
         # all-reduce carries the whole window (as without buffers).
         self._flush_before_last_backward = (
@@ -833,7 +854,7 @@ class GradientAccumulationLogic(_LogicBase):
             accumulator.flush_to_grad()  # the scaler unscales and checks `.grad`
             self._scaler.unscale_(optimizer)
         # Logged at this batch's end: the statistics then come along in the step's one sync.
-        logs = self.log_stats and bool(trainer.loggers) and trainer._logger_connector.should_update_logs
+        logs = self.log_stats and trainer._logger_connector.should_update_logs
         stepped = accumulator.finalize(reevaluation=self._finalized_in_batch, read_statistics=logs)
         self._finalized_in_batch = self._stepped = True
         if self._ddp_without_sync is not None:  # buffers sync at the next forward, as after a synced pass
@@ -886,8 +907,10 @@ class GradientAccumulationLogic(_LogicBase):
         if not self._stepped:
             return
         self._resume_clipping()
-        if self.log_stats and trainer.loggers and trainer._logger_connector.should_update_logs:
-            pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1)
+        if self.log_stats and trainer._logger_connector.should_update_logs:
+            # into `callback_metrics` without a logger too: `ddp_spawn` returns those to the launcher
+            logger = bool(trainer.loggers)
+            pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1, logger=logger)
 
     def metrics(self) -> dict[str, float]:
         """The logged scalars: ``LOGGED_STATISTICS`` and ``window_loss``, under ``grad_accum/``."""
@@ -923,6 +946,7 @@ class GradientAccumulationLogic(_LogicBase):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_dir = trainer.logger.log_dir if trainer.logger is not None else None
         self._restore_ddp_sync()
         self._sync.restore(discard=self._accumulator is not None and not self._accumulator.window.empty)
         if self._accumulator is not None and not self._accumulator.window.empty:

@@ -11,15 +11,30 @@ def _bytes(value: int) -> str:
     return f"{value / 2**20:,.1f} MiB"
 
 
-def _effective_batch(stats: AccumulationStats, full_step_items: int | None) -> str:
-    items = stats.items_last_step
-    shown = f"{int(items):,}" if float(items).is_integer() else f"{items:,.1f}"
-    last = f"{shown} in the last step ({stats.micro_batches_last_step} of"
-    last += f" {stats.accumulation_steps} micro-batches)"
-    return last if full_step_items is None else f"{full_step_items:,} per full step; {last}"
+def _items(value: float) -> str:
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:,.1f}"
 
 
-def noise_sentence(stats: AccumulationStats, full_step_items: int | None = None) -> str | None:
+def effective_batch(stats: AccumulationStats) -> float:
+    """Items in a full optimizer step: the last window of K micro-batches (else the last window).
+
+    Example:
+        >>> effective_batch(AccumulationStats(items_last_step=94.0, items_last_full_step=182.0))
+        182.0
+    """
+    return stats.items_last_full_step or stats.items_last_step
+
+
+def _effective_batch(stats: AccumulationStats) -> str:
+    k = stats.accumulation_steps
+    full = f"{_items(stats.items_last_full_step)} in the last full step (K micro-batches)"
+    if stats.micro_batches_last_step == k and stats.items_last_full_step == stats.items_last_step:
+        return full
+    last = f"{_items(stats.items_last_step)} in the last step ({stats.micro_batches_last_step} of {k})"
+    return f"{full}; {last}" if stats.items_last_full_step else f"{last}; no full step yet"
+
+
+def noise_sentence(stats: AccumulationStats) -> str | None:
     """A plain sentence comparing the effective batch with the gradient noise scale (``None``: not measured).
 
     The noise scale approximates the critical batch size (McCandlish et al. 2018): far below it, a larger
@@ -38,7 +53,7 @@ def noise_sentence(stats: AccumulationStats, full_step_items: int | None = None)
             "The gradient noise scale has no usable estimate yet (it is not positive: too few or too noisy"
             " windows); train longer before reading it."
         )
-    batch = float(full_step_items or stats.items_last_step)
+    batch = effective_batch(stats)
     if batch <= 0:  # no item counts: the noise scale is in micro-batches
         return (
             f"The gradient noise scale is {noise:,.1f} micro-batches (no item counts were known: pass"
@@ -59,16 +74,21 @@ def noise_sentence(stats: AccumulationStats, full_step_items: int | None = None)
     return compared.format("close to") + ": a balanced trade-off between steps and compute."
 
 
-def format_summary(
-    stats: AccumulationStats, window_loss: float, log_dir: str | None, full_step_items: int | None = None
-) -> str:
-    """Render the statistics of a finished run as a two-column table.
+def _noise_scale(stats: AccumulationStats) -> str:
+    noise = stats.noise_scale
+    if not math.isfinite(noise) or noise <= 0:
+        return "no usable estimate yet (not positive)"
+    unit = "items" if effective_batch(stats) > 0 else "micro-batches"  # no item counts: micro-batches
+    return f"{noise:,.1f} {unit} (averaged over recent steps)"
+
+
+def format_summary(stats: AccumulationStats, window_loss: float, log_dir: str | None) -> str:
+    """Render the statistics of a finished run as a two-column table (``callback.summary()`` prints it).
 
     Args:
         stats: The callback's statistics at the end of ``fit``.
         window_loss: Mean loss of the last window.
         log_dir: Where the logger writes (``None``: no logger).
-        full_step_items: Items in a full window (micro-batch size x K x ranks), when known.
 
     Example:
         >>> print(format_summary(AccumulationStats(accumulation_steps=4, windows=3), 0.5, None))
@@ -83,7 +103,7 @@ def format_summary(
     rows = [
         ("optimizer steps taken", f"{stats.steps_taken:,} of {stats.windows:,} windows"),
         ("accumulation steps (K)", str(k)),
-        ("effective batch (items)", _effective_batch(stats, full_step_items)),
+        ("effective batch (items)", _effective_batch(stats)),
         ("micro-batches", f"{stats.total_micro_batches:,}"),
         ("skipped steps", f"{stats.skipped_steps:,}"),
         ("empty windows (no step)", f"{stats.empty_windows:,}"),
@@ -92,11 +112,7 @@ def format_summary(
         ("clipped steps", f"{stats.clipped_steps:,}"),
         ("last grad norm", f"{stats.last_grad_norm:.4g} (max seen {stats.max_grad_norm_seen:.4g})"),
         ("last window loss", "n/a" if math.isnan(window_loss) else f"{window_loss:.4f}"),
-        *(
-            [("gradient noise scale", f"{stats.noise_scale:,.1f} items (averaged over recent steps)")]
-            if not math.isnan(stats.noise_scale)
-            else []
-        ),
+        *([("gradient noise scale", _noise_scale(stats))] if not math.isnan(stats.noise_scale) else []),
         ("peak memory", _bytes(stats.peak_memory_bytes)),
         ("accumulation buffers", _bytes(stats.buffer_bytes)),
         ("logs", log_dir or "no logger"),
@@ -104,7 +120,7 @@ def format_summary(
     width = max(29, max(len(name) for name, _ in rows) + 4)  # a stable layout
     lines = ["Gradient accumulation summary", "-" * 63]
     lines += [f"{name:<{width}}{value}" for name, value in rows]
-    sentence = noise_sentence(stats, full_step_items)
+    sentence = noise_sentence(stats)
     if sentence is not None:
         lines += ["", sentence]
     return "\n".join(lines)

@@ -423,6 +423,12 @@ class GradAccumulator:
         if self._scaler is None:
             return None
         scale = getattr(self._scaler, "_scale", None)
+        if scale is None and hasattr(self._scaler, "_scale"):  # torch's, before its first `scale()`
+            raise RuntimeError(
+                "The GradScaler has not scaled a loss yet, but gradients were recorded: under a"
+                " `grad_scaler` every micro-batch's loss must be scaled by it before backward"
+                " (`scaler.scale(loss).backward()`, or `accumulator.backward(loss)`, which does)."
+            )
         if not isinstance(scale, Tensor):
             raise RuntimeError(
                 f"The GradScaler ({type(self._scaler).__name__}) keeps no tensor `_scale`, which the"
@@ -829,6 +835,7 @@ class GradAccumulator:
                 "clipped_steps": either(decision.clipped, measured.micro_clips > 0),
                 "last_grad_norm": decision.norm,
                 "items_last_step": measured.totals.items,
+                **({"items_last_full_step": measured.totals.items} if self.window_full else {}),
                 "window_loss": window_loss,
                 **self._noise_statistics(window, measured, decision, normalization),
             },
@@ -993,8 +1000,10 @@ class GradAccumulator:
             windows=self._windows,
             total_micro_batches=self._total_micro_batches,
             micro_batches_last_step=self._micro_batches_last_step,
-            num_parameters=sum(
-                param.numel() for _, param in self._named if param.requires_grad and not is_lazy(param)
+            num_parameters=sum(  # whole parameters, sharded or not (an FSDP1 slice counts its whole)
+                shard.shape.numel() if shard is not None else param.numel()
+                for (_, param), shard in zip(self._named, self._flat_shards, strict=True)
+                if param.requires_grad and not is_lazy(param)
             ),
             buffer_bytes=self._buffers.nbytes if self._buffers is not None else 0,
             peak_memory_bytes=self._peak_memory_bytes,

@@ -44,6 +44,7 @@ STATISTICS = (
     Statistic("last_grad_norm", "last"),
     Statistic("max_grad_norm_seen", "max"),
     Statistic("items_last_step", "last"),
+    Statistic("items_last_full_step", "last"),  # folded by windows of K micro-batches only
     Statistic("window_loss", "last"),
     Statistic("noise_scale", "last"),
     Statistic("grad_sq_norm_estimate", "last"),

@@ -41,8 +41,11 @@ class AccumulationStats:
         max_grad_norm_seen: Largest finite ``last_grad_norm`` so far.
         items_last_step: Items (samples, tokens) in the last window, summed over ranks: the real effective
             batch size (a float: counts such as ``attention_mask.float().sum()`` need not be integers).
+        items_last_full_step: Items in the last window that held K micro-batches, summed over ranks: what
+            a full optimizer step holds (``items_last_step`` is often an epoch's shorter, last window).
         micro_batches_last_step: Micro-batches in the last window (k, which is < K for a partial window).
-        num_parameters: Trainable parameter elements tracked.
+        num_parameters: Trainable parameter elements tracked: the whole model's, also when FSDP shards it
+            (not this rank's shards).
         buffer_bytes: Extra memory held by the accumulator (0: gradients accumulate in ``.grad``).
         peak_memory_bytes: The process's peak memory on the gradients' device so far: the CUDA
             allocator's peak on GPU (since the process started or the user last called
@@ -76,6 +79,7 @@ class AccumulationStats:
     last_grad_norm: float = 0.0
     max_grad_norm_seen: float = 0.0
     items_last_step: float = 0.0
+    items_last_full_step: float = 0.0
     micro_batches_last_step: int = 0
     num_parameters: int = 0
     buffer_bytes: int = 0
