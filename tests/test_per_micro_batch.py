@@ -30,6 +30,7 @@ def per_micro_batch_reference(
     clip_last: bool = True,
     drop: Sequence[int] = (),
     fp16_autocast: bool = False,
+    scaling: str = "mean",
     batch_size: int = 4,
     lr: float = 0.1,
 ) -> torch.nn.Module:
@@ -38,7 +39,7 @@ def per_micro_batch_reference(
     Micro-batch ``i`` of rank ``r`` holds rows ``r, r + world, ...`` ``[i * batch_size, (i + 1) *
     batch_size)`` (``DistributedSampler(shuffle=False)``). With ``max_grad_norm`` each one's gradient is
     clipped to it (not the window's last when ``clip_last`` is false: the old, wrong behaviour); micro-batch
-    indices in ``drop`` are left out on every rank.
+    indices in ``drop`` are left out on every rank. ``scaling="sum"`` steps on their sum.
     """
     net = h.regression_net()
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
@@ -58,7 +59,7 @@ def per_micro_batch_reference(
                 for sum_, param in zip(total, net.parameters(), strict=True):
                     sum_ += param.grad
         for sum_, param in zip(total, net.parameters(), strict=True):
-            param.grad = sum_ / (len(kept) * world)
+            param.grad = sum_ if scaling == "sum" else sum_ / (len(kept) * world)
         optimizer.step()
     return net
 
@@ -78,6 +79,20 @@ def test_clip_per_micro_batch_under_16_mixed_clips_the_last_micro_batch_too() ->
     )
     assert h.max_abs_diff(expected, last_unclipped) > 1e-3  # the last micro-batches really clip
     assert callback.stats.clipped_steps == 3
+
+
+def test_clip_per_micro_batch_with_sum_scaling_does_not_clip_the_sum_again() -> None:
+    """ "sum" adds the clipped micro-batch gradients: their sum may exceed `max_grad_norm` and stays so (the
+    window's gradient used to be clipped once more: 5.9e-2 off)."""
+    data = h.regression_data(40)
+    module = h.RegressionModule(data)
+    callback = GradientAccumulationCallback(
+        4, scaling="sum", clip_mode="micro_batch", max_grad_norm=0.3, accumulation_dtype="float64"
+    )
+    h.trainer(callbacks=[callback]).fit(module)
+    expected = per_micro_batch_reference(data, h.windows(10, 4), max_grad_norm=0.3, scaling="sum")
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    assert callback.stats.last_grad_norm > 0.3  # the sum's norm, not clipped
 
 
 @pytest.mark.slow

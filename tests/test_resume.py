@@ -296,3 +296,61 @@ def test_resume_with_a_smaller_k_discards_the_saved_window_with_a_warning(tmp_pa
         )
     windows = [[0, 1, 2, 3], [6, 7], [8, 9], *h.windows(10, 2)]
     assert h.max_abs_diff(resumed.net, h.regression_reference(windows, num_samples=38)) < 1e-6
+
+
+class NoneEndsAWindow(h.RegressionModule):
+    """`training_step` returns None for the last batch of the first epoch's second window (batch 7)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return None if (self.current_epoch, batch_idx) == (0, 7) else loss
+
+
+def test_resume_under_16_mixed_where_the_window_s_last_batch_returns_none(tmp_path: Path) -> None:
+    """The resumed fit's first step closes the restored window without any backward: the GradScaler has
+    scaled nothing yet in this fit (its loaded scale waits in `_init_scale`), and the callback unscales and
+    steps the window itself. It used to fail in `unscale_` ("_scale is None")."""
+
+    def fresh() -> h.RegressionModule:
+        return NoneEndsAWindow(h.regression_data(38), resumable=True)
+
+    expected = fresh()
+    h.trainer(callbacks=[make_callback("mean")], plugins=[h.amp_plugin()], max_epochs=EPOCHS).fit(expected)
+    path = tmp_path / "amp.ckpt"
+    preempt(fresh(), [make_callback("mean")], 6, path, plugins=[h.amp_plugin()])  # window: 4, 5, 6
+    resumed = fresh()
+    callback = make_callback("mean")
+    h.trainer(callbacks=[callback], plugins=[h.amp_plugin()], max_epochs=EPOCHS).fit(resumed, ckpt_path=path)
+    assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6
+    assert callback.stats.windows == 6
+
+
+class FailsAfterTheLastBackward(pl.Callback):
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.fit_loop.epoch_loop.batch_idx == 7:  # the last micro-batch of window 1
+            raise RuntimeError("failed after the backward")
+
+
+def test_a_window_saved_after_its_flush_into_grad_stays_a_buffered_window(tmp_path: Path) -> None:
+    """Under a GradScaler the buffers go into `.grad` after the window's last backward; an exception right
+    after it is saved by `OnExceptionCheckpoint`: the window is saved as buffers (it was labelled as `.grad`
+    and then refused by the same run's settings), with a warning that such a mid-batch save cannot resume
+    exactly."""
+    kwargs: dict[str, Any] = {"accumulation_dtype": "float64"}
+    saver = OnExceptionCheckpoint(dirpath=tmp_path, filename="crash")
+    trainer = h.trainer(
+        callbacks=[make_callback("mean", **kwargs), FailsAfterTheLastBackward(), saver],
+        plugins=[h.amp_plugin()],
+        enable_checkpointing=True,
+    )
+    with (
+        pytest.raises(RuntimeError, match="failed after the backward"),
+        pytest.warns(UserWarning, match="after a micro-batch's backward but before its batch ended"),
+    ):
+        trainer.fit(module("sgd"))
+    checkpoint = torch.load(tmp_path / "crash.ckpt", weights_only=True)
+    (state,) = [v for k, v in checkpoint["callbacks"].items() if "GradientAccumulationCallback" in k]
+    assert (state["window"]["kind"], state["window"]["micro_batches"]) == ("buffers", 4)
+    assert all(t.dtype == torch.float64 for t in state["window"]["tensors"].values())
+    resumed = h.trainer(callbacks=[make_callback("mean", **kwargs)], plugins=[h.amp_plugin()])
+    resumed.fit(module("sgd"), ckpt_path=tmp_path / "crash.ckpt")  # loads (not an exact resume: warned)

@@ -297,9 +297,8 @@ class GradientAccumulationLogic(_LogicBase):
         self._scaler: torch.amp.GradScaler | None = None
         self._signature: tuple[tuple[int, int], ...] = ()
         self._sync = ShardedSync(torch.nn.Module())  # when FSDP reduces: set at train start
-        self._ddp_without_sync: DistributedDataParallel | None = (
-            None  # per-micro-batch modes: DDP never syncs
-        )
+        # per-micro-batch modes under DDP: the model whose gradient sync is off for the fit
+        self._ddp_without_sync: DistributedDataParallel | None = None
         self._flush_before_last_backward = False  # DDP's one all-reduce carries the buffered window
         # per micro-batch
         self._pending_items: Any = None
@@ -309,6 +308,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._pending_loss: Tensor | None = None
         self._backward_in_batch = False  # a backward ran in this batch (False: training_step returned None)
         self._last_backward = False  # this batch's backward ends the window (asked under DDP, FSDP, AMP)
+        self._recorded_in_open_batch = False  # this batch's micro-batch is recorded, the batch not ended
         self._finalized_in_batch = False  # the window was finalized in this batch (LBFGS re-evaluates)
         self._stepped = False
         self._clipping_paused: Any = None  # the precision plugin whose clipping is paused for this step
@@ -818,6 +818,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._accumulator.record(
             self._pending_count, self._pending_loss, reevaluation=self._finalized_in_batch
         )
+        self._recorded_in_open_batch = True  # until `on_train_batch_end`: a save now is mid-batch
         if self._last_backward and self._scaler is not None:
             # after the last micro-batch went through the buffers (checked and clipped on its own): the
             # scaler unscales and checks `.grad` before `on_before_optimizer_step`
@@ -851,6 +852,10 @@ class GradientAccumulationLogic(_LogicBase):
         )
         if steps_itself:
             assert self._scaler is not None
+            if getattr(self._scaler, "_scale", True) is None:
+                # no loss scaled in this fit yet (a window restored from a checkpoint, the rest `None`):
+                # the scale it loaded waits in `_init_scale` until the first `scale()`
+                self._scaler._lazy_init_scale_growth_tracker(torch.device(self._scaler._device))
             accumulator.flush_to_grad()  # the scaler unscales and checks `.grad`
             self._scaler.unscale_(optimizer)
         # Logged at this batch's end: the statistics then come along in the step's one sync.
@@ -904,6 +909,7 @@ class GradientAccumulationLogic(_LogicBase):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._recorded_in_open_batch = False
         if not self._stepped:
             return
         self._resume_clipping()
@@ -974,6 +980,13 @@ class GradientAccumulationLogic(_LogicBase):
         """
         accumulator = self._accumulator
         window = accumulator.window_state_dict() if accumulator is not None else None
+        if window is not None and self._recorded_in_open_batch:
+            self._api.rank_zero_warn(
+                "This checkpoint is taken after a micro-batch's backward but before its batch ended (an"
+                " exception in a later hook of the batch, saved by `OnExceptionCheckpoint`?): the saved"
+                " window holds that micro-batch, while Lightning restarts the batch's index when it resumes,"
+                " so a resume from it is not exact. Checkpoints taken at a batch's end resume exactly."
+            )
         return {
             "version": FORMAT_VERSION,
             "accumulator": accumulator.state_dict() if accumulator is not None else None,

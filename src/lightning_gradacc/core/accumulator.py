@@ -657,7 +657,8 @@ class GradAccumulator:
             decision = decide(
                 measured.norms,
                 normalization,
-                max_norm=self.settings.max_grad_norm,
+                # clip_mode="micro_batch" clipped each micro-batch: a sum of them is not clipped again
+                max_norm=self.settings.max_grad_norm if self.settings.clip_mode == "step" else None,
                 clip_scope=self.settings.clip_scope,  # type: ignore[arg-type]
                 clip_value=self.settings.clip_value,
             )

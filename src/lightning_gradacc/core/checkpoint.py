@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .shards import as_sharded_like, distribute_like, fsdp2_held_back, local_shards
+from .window import WindowState
 
 if TYPE_CHECKING:
     from .accumulator import GradAccumulator
@@ -142,7 +143,13 @@ def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
     def summed(tensor: Tensor) -> Tensor:
         return all_reduce(tensor.clone()) if all_reduce is not None else tensor
 
-    sums = accumulator._buffers.window() if in_buffers and accumulator._buffers is not None else None
+    buffers = accumulator._buffers
+    sums = buffers.window() if in_buffers and buffers is not None else None
+    if buffers is not None and window.state is WindowState.FLUSHED:
+        # flushed into `.grad` (for DDP's last backward, or a GradScaler): still a buffered window, saved
+        # as the buffers' local sums in their dtype, so that it loads into buffers again
+        grads = local_shards([param.grad for _, param in accumulator._named])[0]
+        in_buffers, sums = True, [None if t is None else t.to(buffers.dtype) for t in grads]
     tensors: dict[str, Tensor] = {}
     sharded: list[str] = []
     for index, (name, param) in enumerate(accumulator._named):
