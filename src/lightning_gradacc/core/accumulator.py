@@ -423,7 +423,8 @@ class GradAccumulator:
         if self._scaler is None:
             return None
         scale = getattr(self._scaler, "_scale", None)
-        if scale is None and hasattr(self._scaler, "_scale"):  # torch's, before its first `scale()`
+        own_scale = getattr(type(self._scaler), "scale", None) is torch.amp.GradScaler.scale
+        if scale is None and own_scale:  # torch's `scale()`, not called yet
             raise RuntimeError(
                 "The GradScaler has not scaled a loss yet, but gradients were recorded: under a"
                 " `grad_scaler` every micro-batch's loss must be scaled by it before backward"
