@@ -136,7 +136,55 @@ def test_ddp_config_runs_on_two_cpu_processes_with_the_console_script(tmp_path: 
     assert result.stdout.count("Gradient accumulation summary") == 1  # printed by rank 0 only
     # 6 micro-batches per rank and epoch, K=2: 3 steps per epoch; 32 x 2 x 2 ranks per step
     assert "optimizer steps taken        6 of 6 windows" in result.stdout
-    assert "128 per full step; 128 in the last step (2 of 2 micro-batches)" in result.stdout
+    assert "effective batch (items)      128 in the last full step (K micro-batches)\n" in result.stdout
+
+
+LOCAL_MODULE = """
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class MyLitModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(16, 2), torch.randn(16, 1)), batch_size=2)
+"""
+
+
+def test_the_console_script_imports_a_module_of_the_working_directory(tmp_path: Path) -> None:
+    """Issue #18, item 12: the README's `lightning-gradacc fit --model my_module.MyLitModule` with
+    `my_module.py` where the command runs, as `python -m` would import it (no `PYTHONPATH`)."""
+    (tmp_path / "my_module.py").write_text(LOCAL_MODULE)
+    command = Path(sys.executable).parent / "lightning-gradacc"
+    args = [
+        str(command),
+        "fit",
+        "--model",
+        "my_module.MyLitModule",
+        "--trainer.accelerator=cpu",
+        "--trainer.max_steps=2",
+        "--trainer.accumulate_grad_batches=2",
+        "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+    ]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env["PYTHONWARNINGS"] = "ignore"
+    result = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "optimizer steps taken        2 of 2 windows" in result.stdout
 
 
 def test_python_dash_m_entry_point() -> None:

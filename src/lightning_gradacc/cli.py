@@ -11,13 +11,16 @@ Usage::
 The namespace (``pytorch_lightning`` or ``lightning.pytorch``) follows the classes given: a model, data
 module, logger or callback named by its import path decides it; ``--namespace`` chooses it when only short
 class names are given (the shipped configs use them, so each runs in both); ``pytorch_lightning``
-otherwise. The command always accumulates with :class:`GradientAccumulationCallback`: without one in the
-config it adds one that adopts ``--trainer.accumulate_grad_batches``.
+otherwise. This package's own callback does not decide it: named by either namespace's import path, it runs
+as the callback of the chosen namespace, with the same arguments. The command always accumulates with
+:class:`GradientAccumulationCallback`: without one in the config it adds one that adopts
+``--trainer.accumulate_grad_batches``. Modules in the working directory import, as with ``python -m``.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -26,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from jsonargparse import get_loader, set_loader
 
 from .callback import SCHEDULER_CONFLICT, GradientAccumulationLogic
 from .namespaces import LIGHTNING, NAMESPACES, PYTORCH_LIGHTNING, installed, namespace_of
-from .summary import format_summary
 
 NAMESPACE_FLAG = "--namespace"
 _NAMESPACE_NAMES = {
@@ -41,6 +44,17 @@ _NAMESPACE_NAMES = {
 _SHORT_NAME_MODULES = {
     PYTORCH_LIGHTNING: ("lightning_gradacc.callback", "lightning_gradacc.demo"),
     LIGHTNING: ("lightning_gradacc.lightning", "lightning_gradacc.demo.lightning"),
+}
+# The import paths of this package's callback: one class per namespace, the same arguments. They do not decide
+# the namespace; each runs as the callback of the namespace the other classes choose.
+_CALLBACK_PATHS = {
+    "lightning_gradacc.GradientAccumulationCallback": PYTORCH_LIGHTNING,
+    "lightning_gradacc.callback.GradientAccumulationCallback": PYTORCH_LIGHTNING,
+    "lightning_gradacc.lightning.GradientAccumulationCallback": LIGHTNING,
+}
+_CALLBACK_OF = {
+    PYTORCH_LIGHTNING: "lightning_gradacc.GradientAccumulationCallback",
+    LIGHTNING: "lightning_gradacc.lightning.GradientAccumulationCallback",
 }
 
 
@@ -66,14 +80,7 @@ class _GradAccCLI:
         callback = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationLogic)), None)
         if callback is None or not trainer.is_global_zero or callback.accumulator is None:
             return
-        log_dir = trainer.logger.log_dir if trainer.logger is not None else None
-        batch_size = getattr(trainer.train_dataloader, "batch_size", None)
-        full_step = None
-        # micro-batch size x K x ranks counts samples; with an item counter (tokens) it would mislead
-        if isinstance(batch_size, int) and callback.item_count_fn is None:
-            full_step = batch_size * callback.stats.accumulation_steps * trainer.world_size
-        summary = format_summary(callback.stats, callback.accumulator.window_loss, log_dir, full_step)
-        print(summary, flush=True)
+        print(callback.summary(), flush=True)
 
 
 @cache
@@ -203,8 +210,29 @@ def _namespace_of_path(path: str) -> str | None:
     return namespace_of(found) if isinstance(found, type) else None
 
 
-def _detect(args: list[str]) -> dict[str, str]:
-    return {path: ns for path in _candidate_paths(args) if (ns := _namespace_of_path(path)) is not None}
+def _detect(args: list[str]) -> tuple[dict[str, str], str | None]:
+    """The classes named in ``args`` that decide the namespace, with theirs; and the namespace they name.
+
+    This package's callbacks are left out of the first: their namespace counts only when no other class
+    names one (and when they all name the same).
+
+    Raises:
+        SystemExit: the deciding classes come from both namespaces.
+    """
+    paths = list(_candidate_paths(args))
+    decisive = {
+        path: ns
+        for path in paths
+        if path not in _CALLBACK_PATHS and (ns := _namespace_of_path(path)) is not None
+    }
+    if len(set(decisive.values())) > 1:
+        listed = ", ".join(f"`{path}` ({ns})" for path, ns in decisive.items())
+        raise SystemExit(
+            f"The classes given come from both Lightning namespaces: {listed}. Use the classes of one"
+            " (`lightning_gradacc.GradientAccumulationCallback` fits either)."
+        )
+    named = set(decisive.values()) or {_CALLBACK_PATHS[path] for path in paths if path in _CALLBACK_PATHS}
+    return decisive, next(iter(named)) if len(named) == 1 else None
 
 
 def detect_namespace(args: list[str]) -> str | None:
@@ -212,33 +240,68 @@ def detect_namespace(args: list[str]) -> str | None:
 
     Only the values LightningCLI takes as classes are looked at: ``class_path`` entries, and the values of
     ``--model``, ``--data``, ``--trainer.logger``, ``--trainer.callbacks``, ``--optimizer`` and
-    ``--lr_scheduler`` (inline, or as config files), in the command line and in ``--config`` files.
+    ``--lr_scheduler`` (inline, or as config files), in the command line and in ``--config`` files. This
+    package's ``GradientAccumulationCallback`` exists in both namespaces: it decides only when no other class
+    does.
 
     Raises:
-        SystemExit: the classes come from both namespaces.
+        SystemExit: the other classes come from both namespaces.
     """
-    found = _detect(args)
-    if len(set(found.values())) > 1:
-        listed = ", ".join(f"`{path}` ({ns})" for path, ns in found.items())
-        raise SystemExit(
-            f"The classes given come from both Lightning namespaces: {listed}. Use the classes of one:"
-            " `lightning_gradacc.GradientAccumulationCallback` is for `pytorch_lightning`,"
-            " `lightning_gradacc.lightning.GradientAccumulationCallback` for `lightning.pytorch`."
-        )
-    return next(iter(found.values()), None)
+    return _detect(args)[1]
 
 
 def choose_namespace(args: list[str]) -> tuple[str, list[str]]:
-    """The namespace to run ``args`` in, and ``args`` without ``--namespace``."""
+    """The namespace to run ``args`` in, and ``args`` without ``--namespace``.
+
+    This package's callbacks named on the command line become the chosen namespace's (the parser's loader
+    maps those in configs).
+    """
     chosen, rest = _split_namespace_flag(args)
-    detected = detect_namespace(rest)
-    if chosen is not None and detected is not None and chosen != detected:
-        paths = ", ".join(f"`{path}`" for path in _detect(rest))
+    decisive, detected = _detect(rest)
+    if chosen is not None and decisive and chosen != detected:
+        paths = ", ".join(f"`{path}`" for path in decisive)
         raise SystemExit(
             f"`{NAMESPACE_FLAG}` asks for `{chosen}`, but {paths} are `{detected}` classes. Drop"
             f" `{NAMESPACE_FLAG}`, or name the `{chosen}` classes instead."
         )
-    return chosen or detected or PYTORCH_LIGHTNING, rest
+    package = chosen or detected or PYTORCH_LIGHTNING
+    return package, [_callback_for(arg, package) for arg in rest]
+
+
+def _callback_for(value: str, package: str) -> str:
+    """``value`` (an argument or ``--option=value``) with this package's callback named as ``package``'s."""
+    option, equals, path = value.rpartition("=")
+    if path in _CALLBACK_PATHS and _CALLBACK_PATHS[path] != package:
+        return f"{option}{equals}{_CALLBACK_OF[package]}"
+    return value
+
+
+def _with_callbacks_of(package: str, node: Any) -> Any:
+    """A loaded config with this package's callbacks of another namespace named as ``package``'s."""
+    if isinstance(node, dict):
+        return {key: _with_callbacks_of(package, value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_with_callbacks_of(package, value) for value in node]
+    if isinstance(node, str) and node in _CALLBACK_PATHS:
+        return _callback_for(node, package)
+    return node
+
+
+def _parser_mode(package: str) -> str:
+    """The command's jsonargparse parser mode: YAML, with this package's callback named as ``package``'s.
+
+    Every config read goes through it: files, nested files, inline values. The check that a class fits its
+    argument (a ``lightning.pytorch`` ``Callback`` for a ``lightning.pytorch`` Trainer) comes before any hook
+    of LightningCLI, so the class path is mapped as the config is read.
+    """
+    mode = f"yaml_lightning_gradacc_{package.replace('.', '_')}"
+    yaml_load = get_loader("yaml")
+
+    def load(text: str) -> Any:
+        return _with_callbacks_of(package, yaml_load(text))
+
+    set_loader(mode, load, (yaml.YAMLError,))
+    return mode
 
 
 def build_cli(args: list[str] | None = None, *, run: bool = True) -> Any:
@@ -250,8 +313,9 @@ def build_cli(args: list[str] | None = None, *, run: bool = True) -> Any:
         f" `{NAMESPACE_FLAG} pytorch_lightning` (anywhere on the command line) chooses the namespace when the"
         " classes given do not."
     )
+    parser_kwargs = {"description": description, "parser_mode": _parser_mode(package)}
     return cli_class(package)(
-        args=rest, run=run, save_config_kwargs={"overwrite": True}, parser_kwargs={"description": description}
+        args=rest, run=run, save_config_kwargs={"overwrite": True}, parser_kwargs=parser_kwargs
     )
 
 
@@ -259,7 +323,37 @@ def main() -> None:
     """Entry point of ``lightning-gradacc`` and ``python -m lightning_gradacc``."""
     # The arguments are the command line's, less `--namespace`: LightningCLI's warning about `args` is moot.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
+    _import_from_the_working_directory()
     build_cli()
+    _leave_the_process_group()
+
+
+def _leave_the_process_group() -> None:
+    """After the subcommand, under DDP: every rank meets, then the process group is destroyed.
+
+    Lightning destroys only NCCL groups at exit. A gloo worker thread can still need the GIL just after a
+    collective completes (to drop the Python objects its work holds); if the interpreter is finalizing by
+    then, CPython ends the thread inside a C++ destructor and the process aborts (SIGABRT) after its work is
+    done. After the barrier every collective of this rank has completed, and no rank exits while another
+    still talks to it.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _import_from_the_working_directory() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` does (unless ``-P``).
+
+    A console script's ``sys.path[0]`` is the script's folder: without this, ``--model my_module.MyModule``
+    does not import ``my_module.py`` from where the command runs.
+    """
+    cwd = os.getcwd()
+    first = sys.path[0] if sys.path else None
+    if not sys.flags.safe_path and first not in (cwd, ""):
+        sys.path.insert(0, cwd)
 
 
 __all__ = ["NAMESPACES", "build_cli", "choose_namespace", "cli_class", "detect_namespace", "main"]
