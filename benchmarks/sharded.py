@@ -180,9 +180,12 @@ def main(out: Path, strategy_name: str, mode: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
-    # FSDP1 on CPU over gloo sometimes aborts in the interpreter's teardown (torch 2.13), after the
-    # results are written: every rank meets, then exits at once
+    # Every rank meets, the process group goes, and the process ends without the interpreter's teardown:
+    # a gloo worker thread may still need the GIL there, which aborts the process (see tests/helpers.py,
+    # `exit_together`).
     if dist.is_initialized():
         dist.barrier()
+        dist.destroy_process_group()
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)

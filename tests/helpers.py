@@ -6,12 +6,13 @@ Everything here is deterministic and importable by spawned DDP workers (``tests.
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as L
+import lightning.pytorch.strategies.launchers.multiprocessing as lit_launchers
 import pytorch_lightning as pl
+import pytorch_lightning.strategies.launchers.multiprocessing as pl_launchers
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
@@ -27,7 +28,10 @@ PACKAGES: dict[str, Any] = {"pytorch_lightning": pl, "lightning.pytorch": L}
 
 
 def trainer(namespace: str = "pytorch_lightning", **overrides: Any) -> pl.Trainer:
-    """A quiet CPU Trainer for tests, of either Lightning namespace."""
+    """A quiet CPU Trainer for tests, of either Lightning namespace.
+
+    ``strategy="ddp_spawn"`` is :data:`SPAWN`'s: each worker ends by :func:`exit_together`.
+    """
     options: dict[str, Any] = dict(
         accelerator="cpu",
         devices=1,
@@ -40,6 +44,8 @@ def trainer(namespace: str = "pytorch_lightning", **overrides: Any) -> pl.Traine
         deterministic=True,
     )
     options.update(overrides)
+    if options.get("strategy") == "ddp_spawn":
+        options["strategy"] = SPAWN[namespace]()
     trainer_class: Any = PACKAGES[namespace].Trainer
     return trainer_class(**options)  # type: ignore[no-any-return]
 
@@ -410,20 +416,74 @@ def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
     return max(float((p.detach() - q.detach()).abs().max()) for p, q in pairs)
 
 
-def finish_without_teardown() -> None:
-    """End a distributed test process once its results are written: every rank meets, then exits at once.
+# ------------------------------------------------------------------------ end of a distributed process
 
-    FSDP1 on CPU over gloo sometimes aborts in the interpreter's teardown ("terminate called without an
-    active exception", SIGABRT), after all work is done and saved (torch 2.13); skipping the teardown
-    keeps such a crash from failing a test whose results are complete. Anything that fails earlier still
-    fails.
+
+def exit_together() -> None:
+    """End a distributed test process once its results are written: every rank meets, its process groups
+    are destroyed, and it exits without the interpreter's teardown.
+
+    Every test process that joins a process group ends here (``ddp_spawn`` workers through :data:`SPAWN`).
+    A gloo worker thread can need the GIL after its collective has completed, to drop a Python object: the
+    work's captured thread-local state holds the ``contextvars`` context autograd stashes for each backward
+    (so every reduction DDP or FSDP starts in a backward carries one), a ``Future.then`` callback holds a
+    Python function (DDP's Python comm hooks). If the interpreter is finalizing by then, CPython ends that
+    thread with ``pthread_exit`` inside a C++ destructor and ``std::terminate`` aborts the process
+    ("terminate called without an active exception", SIGABRT) after all its work is done. Lightning leaves
+    gloo groups alive at exit, a barrier does not wait for those threads, and destroying the group does not
+    join them while anything (DDP's reducer) still holds it; without the teardown no thread meets a
+    finalizing interpreter.
     """
     import os
+    import sys
 
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier()  # no rank leaves while another still talks to it
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class _ExitTogether:
+    """A ``ddp_spawn`` launcher whose workers end by :func:`exit_together` once Lightning's work in them is
+    done (rank 0's results are in the queue to the launching process); a worker that raises ends as before.
+    """
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)  # type: ignore[misc]
+        exit_together()
+
+
+class _Launcher(_ExitTogether, pl_launchers._MultiProcessingLauncher):
+    pass
+
+
+class _LitLauncher(_ExitTogether, lit_launchers._MultiProcessingLauncher):
+    pass
+
+
+class _Spawn:
+    """``strategy="ddp_spawn"`` (``DDPStrategy(start_method="spawn")``) with the :class:`_ExitTogether`
+    launcher."""
+
+    launcher_class: type
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(start_method="spawn", **kwargs)  # type: ignore[call-arg]
+
+    def _configure_launcher(self) -> None:
+        self._launcher = self.launcher_class(self, start_method="spawn")
+
+
+class SpawnStrategy(_Spawn, pl.strategies.DDPStrategy):
+    launcher_class = _Launcher
+
+
+class LitSpawnStrategy(_Spawn, L.strategies.DDPStrategy):
+    launcher_class = _LitLauncher
+
+
+SPAWN: dict[str, Any] = {"pytorch_lightning": SpawnStrategy, "lightning.pytorch": LitSpawnStrategy}

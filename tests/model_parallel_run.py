@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradacc import GradientAccumulationCallback
-from tests.helpers import finish_without_teardown, ordered_loader
+from tests.helpers import exit_together, ordered_loader
 
 STRATEGY = sys.argv[2] if len(sys.argv) > 2 else "model_parallel"  # the same in the re-run second rank
 K = 4
@@ -297,4 +297,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    finish_without_teardown()
+    exit_together()  # both ranks: Lightning re-runs this script for the second

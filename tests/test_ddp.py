@@ -65,8 +65,8 @@ def test_ddp_weighted_uneven_tokens_per_rank_matches_single_process_big_batch() 
 def counted_fit(make_callbacks: Any, **kwargs: object) -> tuple[pl.Trainer, h.RegressionModule]:
     """Fit with DDP's communication counted by a Python comm hook.
 
-    The hook's futures run Python callbacks on gloo's worker threads: the workers end by
-    `h.leave_together` (added by `h.trainer`), or one of them sometimes aborts at exit.
+    The hook's futures run Python callbacks on gloo's worker threads (the workers end by
+    `h.exit_together`: see there).
     """
     module = h.RegressionModule(h.regression_data(40))
     trainer = ddp_trainer(*make_callbacks(), h.CommCounterLogger(), **kwargs)

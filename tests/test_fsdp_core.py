@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_gradacc import GradAccumulator
-from tests.helpers import leave_together
+from tests.helpers import exit_together
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -159,7 +159,7 @@ def _worker(rank: int, port: int, out: str, kind: str) -> None:
         results["held_back"] = _held_back_by_part_of_the_model(rank, mesh)
     if rank == 0:
         torch.save(results, out)
-    leave_together()
+    exit_together()
 
 
 def _resumed_mid_window(rank: int, mesh: Any, options: dict[str, Any]) -> dict[str, torch.Tensor]:

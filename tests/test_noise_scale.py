@@ -118,16 +118,6 @@ class Estimates(pl.Callback):
         if self.out is not None and trainer.global_rank == 0:
             torch.save(self.rows, self.out)
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        import torch.distributed as dist
-
-        if trainer.world_size > 1 and dist.is_initialized():
-            # the ranks leave together, without a process group left to tear down at exit: gloo on CPU
-            # sometimes aborts there when one rank is gone first ("terminate called without an active
-            # exception", after all work is done)
-            dist.barrier()
-            dist.destroy_process_group()
-
 
 def fit(sizes: list[int], windows: int, scaling: str = "mean", **trainer_options: Any) -> Estimates:
     estimates = Estimates(trainer_options.pop("out", None))
