@@ -455,22 +455,8 @@ def test_the_memory_peak_is_read_and_never_reset_for_the_whole_process() -> None
     assert callback.stats.peak_memory_bytes >= peak
 
 
-@pytest.mark.parametrize(
-    ("method", "kwargs", "hint"),
-    [
-        ("finalize", {"grad_scale": 0.25}, "loss_scale"),
-        ("finalize", {"overflow_handled_externally": True}, "grad_scaler="),
-        ("record", {"grad_scale": 0.25}, "loss_scale"),
-        ("load_window_state_dict", {"state": {}, "rescale": 2.0}, "rescaled"),
-    ],
-)
-def test_arguments_of_0_1_say_what_replaces_them(method: str, kwargs: dict, hint: str) -> None:
-    accumulator = GradAccumulator(nn.Linear(2, 1).parameters(), 2)
-    with pytest.raises(TypeError, match=f"{method}.*removed in 0.2.*{hint}"):
-        getattr(accumulator, method)(**kwargs)
-
-
-def test_a_window_saved_without_its_scales_resumes_with_the_scales_in_force() -> None:
+def test_a_window_of_an_unreleased_format_is_refused_before_anything_changes() -> None:
+    """Formats 1 and 2 (before 0.2, never released) recorded no loss or AMP scale: refused, naming why."""
     net = nn.Linear(2, 1)
     accumulator = GradAccumulator(net.named_parameters(), 2)
     accumulator.loss_scale = 0.5
@@ -478,13 +464,17 @@ def test_a_window_saved_without_its_scales_resumes_with_the_scales_in_force() ->
     accumulator.record(1)
     state = accumulator.window_state_dict()
     assert state is not None
-    old = {key: value for key, value in state.items() if key not in ("loss_scale", "amp_scale")}
-    old["version"] = 2
     restored_net = nn.Linear(2, 1)
     restored = GradAccumulator(restored_net.named_parameters(), 2)
     restored.loss_scale = 0.5
-    restored.load_window_state_dict(old)
-    assert torch.equal(restored_net.weight.grad, net.weight.grad)  # taken as is, not rescaled by 0.5
+    old = {key: value for key, value in state.items() if key not in ("loss_scale", "amp_scale")}
+    with pytest.raises(ValueError, match="has format version 2; this version of lightning_gradacc reads 3"):
+        restored.load_window_state_dict({**old, "version": 2})
+    with pytest.raises(ValueError, match=r"is missing \['loss_scale', 'amp_scale'\]"):
+        restored.load_window_state_dict(old)
+    assert restored_net.weight.grad is None and restored.window.empty
+    restored.load_window_state_dict(state)
+    assert torch.equal(restored_net.weight.grad, net.weight.grad)
 
 
 def test_a_grad_scaler_that_never_scaled_is_named_for_what_it_is() -> None:

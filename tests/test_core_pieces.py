@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import warnings
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from lightning_gradacc.core.accumulator import GradAccumulator
 from lightning_gradacc.core.boundary import clip_grads_, decide, measure
 from lightning_gradacc.core.checkpoint import FORMAT_VERSION
 from lightning_gradacc.core.kernels import clamp_, combine_norms, scale_, tensor_norms, use_foreach
-from lightning_gradacc.core.ledger import COUNTERS, NAMES, RENAMED, STATISTICS, UNMEASURED, Ledger
+from lightning_gradacc.core.ledger import COUNTERS, NAMES, STATISTICS, UNMEASURED, Ledger
 from lightning_gradacc.core.stats import AccumulationStats
 from lightning_gradacc.core.window import Window, WindowClosedError, WindowState
 
@@ -1013,20 +1012,14 @@ def test_ledger_sync_returns_extra_values_and_folds() -> None:
     assert ledger.fresh and ledger.values()["skipped_steps"] == 1.0
 
 
-def test_ledger_load_state_dict_maps_old_names() -> None:
-    assert RENAMED == {
-        "overflow_count": "non_finite_windows",
-        "clip_count": "clipped_steps",
-        "optimizer_steps": "windows",
-    }
+def test_ledger_load_state_dict_takes_known_names_and_starts_the_others_afresh() -> None:
     ledger = Ledger(F64)
     ledger.fold({"dropped_micro_batches": torch.tensor(4.0)})  # pending: dropped by the load
     ledger.load_state_dict(
         {
-            "overflow_count": 3,
-            "clip_count": 2,
+            "non_finite_windows": 3,
+            "clipped_steps": 2,
             "skipped_steps": 1,
-            "optimizer_steps": 9,
             "other": 5.0,
             "last_grad_norm": 1.5,
             "max_grad_norm_seen": 2.5,
@@ -1038,7 +1031,7 @@ def test_ledger_load_state_dict_maps_old_names() -> None:
     assert values["empty_windows"] == 0.0 and math.isnan(values["window_loss"])
     assert values["last_grad_norm"] == 1.5 and values["max_grad_norm_seen"] == 2.5
     assert set(values) == set(NAMES)
-    ledger.load_state_dict(dict(values, window_loss=0.25))  # new names load as they are
+    ledger.load_state_dict(dict(values, window_loss=0.25))
     assert ledger.values() == dict(values, window_loss=0.25)
 
 
@@ -1098,19 +1091,20 @@ def test_window_loss_is_the_item_weighted_mean_loss(
     assert math.isnan(accumulator.window_loss)
 
 
-# ------------------------------------------------------------------------------ 8. version-1 states
+# ------------------------------------------------------------------------------------ 8. saved states
 
-V1_STATE = {
-    "version": 1,
+SAVED_STATE = {
+    "version": FORMAT_VERSION,
     "accumulation_steps": 4,
-    "optimizer_steps": 12,
+    "windows": 12,
     "total_micro_batches": 45,
     "micro_batches_last_step": 3,
     "peak_memory_bytes": 12345,
-    "overflow_count": 2,
-    "skipped_steps": 2,
-    "clip_count": 5,
-    "empty_windows": 1,
+    "non_finite_windows": 2.0,
+    "dropped_micro_batches": 3.0,
+    "skipped_steps": 2.0,
+    "clipped_steps": 5.0,
+    "empty_windows": 1.0,
     "last_grad_norm": 0.75,
     "max_grad_norm_seen": 3.5,
     "items_last_step": 24.0,
@@ -1118,67 +1112,24 @@ V1_STATE = {
 }
 
 
-@pytest.mark.parametrize("with_empty", [True, False])
-def test_accumulator_loads_version_1_state(with_empty: bool) -> None:
-    state = dict(V1_STATE)
-    if not with_empty:
-        del state["empty_windows"]
+def test_accumulator_loads_its_saved_state_and_counts_on() -> None:
     model, accumulator = _linear_accumulator()
-    accumulator.load_state_dict(state)
+    accumulator.load_state_dict(SAVED_STATE)
     assert accumulator.state_dict()["peak_memory_bytes"] == 12345  # restored (re-measured when read)
     stats = accumulator.stats
     assert stats.windows == 12 and stats.total_micro_batches == 45 and stats.micro_batches_last_step == 3
-    assert stats.non_finite_windows == 2 and stats.skipped_steps == 2 and stats.clipped_steps == 5
-    assert stats.empty_windows == (1 if with_empty else 0) and stats.dropped_micro_batches == 0
+    assert (stats.non_finite_windows, stats.dropped_micro_batches, stats.skipped_steps) == (2, 3, 2)
+    assert (stats.clipped_steps, stats.empty_windows, stats.steps_taken) == (5, 1, 12 - 2 - 1)
     assert stats.last_grad_norm == 0.75 and stats.max_grad_norm_seen == 3.5 and stats.items_last_step == 24.0
     assert accumulator.window_loss == 0.125
-    assert stats.steps_taken == 12 - 2 - (1 if with_empty else 0)
     assert all(isinstance(getattr(stats, name), int) for name in COUNTERS)
-    # saved again: the current format, new names; it loads into a fresh accumulator
-    saved = accumulator.state_dict()
-    assert (
-        saved["version"] == FORMAT_VERSION and saved["windows"] == 12 and saved["non_finite_windows"] == 2.0
-    )
-    assert not {"optimizer_steps", "overflow_count", "clip_count"} & set(saved)
     _, other = _linear_accumulator()
-    other.load_state_dict(saved)
+    other.load_state_dict(accumulator.state_dict())
     assert _without_peak(other.stats) == _without_peak(stats)
-    # and counting goes on from there
     _backward(model, accumulator)
     _backward(model, accumulator)
     accumulator.finalize()
     assert accumulator.stats.windows == 13 and accumulator.stats.total_micro_batches == 47
-
-
-def test_accumulator_loads_version_2_state() -> None:
-    """As the first reshaped core saved it: new names, format 2."""
-    state = {
-        "version": 2,
-        "accumulation_steps": 4,
-        "windows": 7,
-        "total_micro_batches": 26,
-        "micro_batches_last_step": 2,
-        "peak_memory_bytes": 99,
-        "skipped_steps": 1.0,
-        "non_finite_windows": 2.0,
-        "dropped_micro_batches": 3.0,
-        "empty_windows": 1.0,
-        "clipped_steps": 4.0,
-        "last_grad_norm": 0.5,
-        "max_grad_norm_seen": 1.5,
-        "items_last_step": 8.0,
-        "window_loss": 0.25,
-    }
-    _, accumulator = _linear_accumulator()
-    accumulator.load_state_dict(state)
-    stats = accumulator.stats
-    assert (stats.windows, stats.total_micro_batches, stats.micro_batches_last_step) == (7, 26, 2)
-    assert (stats.skipped_steps, stats.non_finite_windows, stats.dropped_micro_batches) == (1, 2, 3)
-    assert (stats.empty_windows, stats.clipped_steps, stats.steps_taken) == (1, 4, 5)
-    assert (stats.last_grad_norm, stats.max_grad_norm_seen, stats.items_last_step) == (0.5, 1.5, 8.0)
-    assert accumulator.window_loss == 0.25
-    with pytest.warns(FutureWarning):
-        assert stats.overflow_count == 5
 
 
 def _without_peak(stats: AccumulationStats) -> AccumulationStats:
@@ -1187,20 +1138,22 @@ def _without_peak(stats: AccumulationStats) -> AccumulationStats:
 
 
 def test_accumulator_load_state_rejects_bad_states_and_changes_nothing() -> None:
+    """Formats 1 and 2 were never released: only the current one loads, and a refusal names the version."""
     model, accumulator = _linear_accumulator()
     _backward(model, accumulator)
     _backward(model, accumulator)
     accumulator.finalize()
     before = accumulator.stats
     for bad in (
-        dict(V1_STATE, version=FORMAT_VERSION + 1),
-        {k: v for k, v in V1_STATE.items() if k != "version"},
-        {k: v for k, v in V1_STATE.items() if k != "optimizer_steps"},
-        dict(V1_STATE, version=0),
-        dict(V1_STATE, version="1"),
-        {k: v for k, v in V1_STATE.items() if k != "skipped_steps"},
+        dict(SAVED_STATE, version=FORMAT_VERSION + 1),
+        {k: v for k, v in SAVED_STATE.items() if k != "version"},
+        {k: v for k, v in SAVED_STATE.items() if k != "windows"},
+        dict(SAVED_STATE, version=1),
+        dict(SAVED_STATE, version=2),
+        dict(SAVED_STATE, version=str(FORMAT_VERSION)),
+        {k: v for k, v in SAVED_STATE.items() if k != "skipped_steps"},
     ):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"version|missing"):
             accumulator.load_state_dict(bad)
         assert _without_peak(accumulator.stats) == _without_peak(before)
 
@@ -1209,42 +1162,16 @@ def test_accumulator_load_state_with_a_bad_value_changes_nothing() -> None:
     _, accumulator = _linear_accumulator()
     before = accumulator.stats
     for bad in (
-        dict(V1_STATE, total_micro_batches="x"),
-        dict(V1_STATE, skipped_steps="x"),
-        dict(V1_STATE, clip_count=None),
+        dict(SAVED_STATE, total_micro_batches="x"),
+        dict(SAVED_STATE, skipped_steps="x"),
+        dict(SAVED_STATE, clipped_steps=None),
     ):
         with pytest.raises((ValueError, TypeError)):
             accumulator.load_state_dict(bad)
         assert _without_peak(accumulator.stats) == _without_peak(before)
 
 
-# ----------------------------------------------------------------------------- 9. deprecated stat names
-
-
-def test_stats_deprecated_names_warn_and_read_the_new_values() -> None:
-    stats = AccumulationStats(
-        windows=9,
-        open_window_micro_batches=2,
-        non_finite_windows=3,
-        dropped_micro_batches=4,
-        clipped_steps=5,
-        skipped_steps=2,
-        empty_windows=1,
-    )
-    with pytest.warns(FutureWarning, match="optimizer_steps.*windows"):
-        assert stats.optimizer_steps == 9
-    with pytest.warns(FutureWarning, match="current_step.*open_window_micro_batches"):
-        assert stats.current_step == 2
-    with pytest.warns(FutureWarning, match="overflow_count.*non_finite_windows"):
-        assert stats.overflow_count == 3 + 4
-    with pytest.warns(FutureWarning, match="clip_count.*clipped_steps"):
-        assert stats.clip_count == 5
-    assert stats.steps_taken == 9 - 2 - 1
-    assert stats.as_dict()["steps_taken"] == 6
-    assert not {"optimizer_steps", "current_step", "overflow_count", "clip_count"} & set(stats.as_dict())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert (stats.windows, stats.non_finite_windows, stats.clipped_steps) == (9, 3, 5)
+# ------------------------------------------------------------------------------------- 9. statistics
 
 
 def test_stats_of_a_run_with_skipped_and_empty_windows() -> None:
@@ -1262,13 +1189,5 @@ def test_stats_of_a_run_with_skipped_and_empty_windows() -> None:
     assert (stats.windows, stats.skipped_steps, stats.empty_windows, stats.non_finite_windows) == (3, 1, 1, 1)
     assert stats.steps_taken == 1 == stats.windows - stats.skipped_steps - stats.empty_windows
     assert stats.clipped_steps == 1 and stats.open_window_micro_batches == 1
-    with pytest.warns(FutureWarning, match="optimizer_steps"):
-        assert stats.optimizer_steps == 3
-    with pytest.warns(FutureWarning, match="overflow_count"):
-        assert stats.overflow_count == 1
-    with pytest.warns(FutureWarning, match="clip_count"):
-        assert stats.clip_count == 1
-    with pytest.warns(FutureWarning, match="current_step"):
-        assert stats.current_step == 1
-    with pytest.warns(FutureWarning, match="current_step"):
-        assert accumulator.current_step == 1
+    assert accumulator.window.micro_batches == 1
+    assert stats.as_dict()["steps_taken"] == 1

@@ -1,7 +1,7 @@
 """GradientAccumulationCallback: the Lightning shell around :class:`~lightning_gradacc.core.GradAccumulator`.
 
 It decides *when* (which hook, which micro-batch, which rank); the core computes *what*. See
-``ARCHITECTURE.md`` section 3 for the Lightning internals relied on here.
+``docs/architecture.md`` section 3 for the Lightning internals relied on here.
 
 The logic (:class:`GradientAccumulationLogic`) depends on neither Lightning namespace: it takes the classes
 it checks against from the Trainer's own namespace (:mod:`lightning_gradacc.namespaces`). This module's
@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from .core import GradAccumulator
-from .core.checkpoint import FORMAT_VERSION, READABLE_VERSIONS
+from .core.checkpoint import FORMAT_VERSION
 from .core.validation import AccumulationSettings
 from .core.weighting import ItemCount
 from .namespaces import CALLBACK_IMPORTS, PYTORCH_LIGHTNING, LightningNamespace, namespace, namespace_of
@@ -997,10 +997,10 @@ class GradientAccumulationLogic(_LogicBase):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._stage not in (None, "fit"):  # validate/test/predict(ckpt_path=...) never train: keep nothing
             return
-        if state_dict.get("version") not in READABLE_VERSIONS:  # 1 had no open window
+        if state_dict.get("version") != FORMAT_VERSION:
             raise ValueError(
                 f"Cannot load `GradientAccumulationCallback` state of version {state_dict.get('version')!r};"
-                f" this version reads {', '.join(map(str, READABLE_VERSIONS))}."
+                f" this version reads {FORMAT_VERSION}."
             )
         self._loaded_state = state_dict.get("accumulator")
         self._loaded_window = state_dict.get("window")
@@ -1010,9 +1010,6 @@ class GradientAccumulationLogic(_LogicBase):
         window, self._loaded_window = self._loaded_window, None
         if window is None:
             return
-        if "loss_scale" not in window:  # saved by 0.1: the callback kept K and the AMP scale beside it
-            k = window.get("accumulate_grad_batches") or trainer.accumulate_grad_batches
-            window = {**window, "loss_scale": 1.0 / k, "amp_scale": window.get("amp_scale") or 1.0}
         accumulator.load_window_state_dict(window, primary=trainer.global_rank == 0)
 
 

@@ -1,10 +1,13 @@
 """Torch-only accumulation math: no Lightning import anywhere under this package.
 
 Usable from a plain PyTorch loop, Lightning Fabric or manual optimization. One idea per module:
-``window`` (a window's lifecycle), ``weighting`` (item counts and the weighting rule), ``boundary`` (the
-stateless math at a window's end), ``ledger`` (statistics folded over windows), ``store`` (gradients by
-name), ``checkpoint`` (saved forms), ``buffers``, ``tally``, ``kernels``, ``world``, and ``accumulator``,
-which wires them together.
+``window`` (a window's lifecycle), ``weighting`` (item counts and the weighting rule), ``tally`` (a
+window's counts), ``micro_batch`` (one micro-batch checked and clipped into the buffers), ``buffers``
+(wider accumulation buffers), ``boundary`` (the stateless math at a window's end), ``kernels`` (foreach
+kernels), ``shards`` (FSDP1 slices and FSDP2 shards), ``world`` (the data-parallel ranks), ``ledger``
+(statistics folded over windows), ``stats`` (their snapshot), ``noise`` (the gradient noise scale),
+``memory`` (the process's peak), ``store`` (gradients by name), ``checkpoint`` (saved forms),
+``validation`` (the settings checked), ``errors``, and ``accumulator``, which wires them together.
 """
 
 from .accumulator import GradAccumulator

@@ -5,9 +5,8 @@ boundary :meth:`GradAccumulator.finalize` turns the window's sum into the gradie
 over the micro-batches actually run, sum, or item-weighted across micro-batches and data-parallel ranks),
 detects non-finite values and clips, and says whether the optimizer should step.
 
-The pieces: :mod:`.window` (one window's lifecycle), :mod:`.boundary` (the stateless math at its end),
-:mod:`.ledger` (statistics folded over windows), :mod:`.buffers`, :mod:`.tally`, :mod:`.world`. This file
-tracks the parameters and wires them together.
+The pieces are listed in :mod:`lightning_gradacc.core`; this file tracks the parameters and wires them
+together.
 
 Host syncs: none while accumulating; at the boundary one when a decision needs it (``overflow="skip"``,
 ``"raise"`` or ``"skip_micro_batch"``, or counts summed over ranks), in which the statistics come along.
@@ -27,7 +26,7 @@ from torch.nn.parameter import is_lazy
 
 from .boundary import Decision, Flag, Norms, apply_, both, decide, either, negate
 from .buffers import GradBuffers
-from .checkpoint import FORMAT_VERSION, READABLE_VERSIONS, load_open_window, save_open_window
+from .checkpoint import FORMAT_VERSION, load_open_window, save_open_window
 from .errors import GradientOverflowError
 from .kernels import GroupKey, combine_norms, non_finite_names, tensor_norms
 from .ledger import COUNTERS, Ledger
@@ -57,25 +56,6 @@ class _Measured:
     loss: tuple[Scalar, Scalar] | None  # (loss sum, loss weight) when computed now
     noise: Tensor | list[float] | None = None  # noise.TOTALS over ranks (noise_scale=True)
     l2_norm: Scalar | None = None  # the window's L2 norm when norm_type is not 2 (noise_scale=True)
-
-
-_REMOVED = {  # keyword arguments of 0.1 -> what replaces them
-    "grad_scale": "set `accumulator.loss_scale` (what each loss was multiplied by, e.g. 1 / K) once, before"
-    " the window's first micro-batch",
-    "loss_scale": "set `accumulator.loss_scale` before the window; the AMP scale is read from `grad_scaler=`",
-    "overflow_handled_externally": "pass `grad_scaler=` to the constructor",
-    "rescale": "nothing: a saved window is rescaled from the loss and AMP scales it records to the current"
-    " ones",
-}
-
-
-def _refuse_removed(method: str, given: Mapping[str, Any]) -> None:
-    """A clear ``TypeError`` for a keyword argument that 0.1 took and this version does not."""
-    for name in given:
-        hint = _REMOVED.get(name)
-        if hint is None:
-            raise TypeError(f"GradAccumulator.{method}() got an unexpected keyword argument '{name}'")
-        raise TypeError(f"`GradAccumulator.{method}({name}=...)` was removed in 0.2: {hint}.")
 
 
 def _stacked(scalars: list[Tensor], device: torch.device) -> Tensor:
@@ -404,16 +384,6 @@ class GradAccumulator:
         self._window.loss_scale = float(value)
 
     @property
-    def current_step(self) -> int:
-        """Deprecated: micro-batches in the open window; use ``window.micro_batches``."""
-        warnings.warn(
-            "`GradAccumulator.current_step` is renamed: use `window.micro_batches`.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return self._window.micro_batches
-
-    @property
     def window_full(self) -> bool:
         """Whether K micro-batches have been recorded, so the window should be finalized."""
         return self._window.micro_batches >= self._accumulation_steps
@@ -532,7 +502,6 @@ class GradAccumulator:
         loss: Tensor | float | None = None,
         *,
         reevaluation: bool = False,
-        **removed: Any,
     ) -> None:
         """Count a micro-batch whose gradient has been added to ``.grad`` (and move it to the buffers).
 
@@ -548,9 +517,7 @@ class GradAccumulator:
                 ``loss_scale`` and the AMP scale, which the boundary divides out), for ``window_loss``.
             reevaluation: The same micro-batch evaluated again for the same step (an optimizer such as
                 LBFGS calls its closure several times): not counted in ``total_micro_batches``.
-            **removed: Keyword arguments of 0.1 (``grad_scale``): a ``TypeError`` says what replaces them.
         """
-        _refuse_removed("record", removed)
         window = self._window
         count = items if isinstance(items, ItemCount) else self.weigh(items)
         if count.problem is not None:
@@ -623,7 +590,7 @@ class GradAccumulator:
         """Whether the step's decision needs a host sync anyway (then every scalar comes along in it)."""
         return self._scaler is None and self.settings.overflow != "ignore"
 
-    def finalize(self, *, reevaluation: bool = False, read_statistics: bool = False, **removed: Any) -> bool:
+    def finalize(self, *, reevaluation: bool = False, read_statistics: bool = False) -> bool:
         """Turn the window's summed gradients into the final gradient, in place; close the window.
 
         Args:
@@ -644,7 +611,6 @@ class GradAccumulator:
             GradientOverflowError: ``overflow="raise"`` and the gradient is not finite.
             ValueError: an item count of the window, on this rank or another, was invalid.
         """
-        _refuse_removed("finalize", removed)
         window = self._window
         if window.empty:
             return self._close_empty(reevaluation)
@@ -1031,19 +997,17 @@ class GradAccumulator:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore counters saved by :meth:`state_dict` (or by 0.1); nothing changes if they do not fit."""
+        """Restore counters saved by :meth:`state_dict`; nothing changes if they do not fit."""
         version = state.get("version")
-        if version not in READABLE_VERSIONS:
+        if version != FORMAT_VERSION:
             raise ValueError(
-                f"Cannot load accumulator state of version {version!r}; this version reads"
-                f" {', '.join(map(str, READABLE_VERSIONS))}."
+                f"Cannot load accumulator state of version {version!r}; this version reads {FORMAT_VERSION}."
             )
-        windows = "windows" if "windows" in state else "optimizer_steps"  # the name before format 3
-        missing = [key for key in (windows, "total_micro_batches", "skipped_steps") if key not in state]
+        missing = [key for key in ("windows", "total_micro_batches", "skipped_steps") if key not in state]
         if missing:
             raise ValueError(f"Accumulator state is missing {missing}.")
         counters = (  # every value converted before anything is assigned
-            int(state[windows]),
+            int(state["windows"]),
             int(state["total_micro_batches"]),
             int(state.get("micro_batches_last_step", 0)),
             int(state.get("peak_memory_bytes", 0)),
@@ -1068,9 +1032,7 @@ class GradAccumulator:
         """
         return save_open_window(self)
 
-    def load_window_state_dict(
-        self, state: Mapping[str, Any], *, primary: bool = True, **removed: Any
-    ) -> None:
+    def load_window_state_dict(self, state: Mapping[str, Any], *, primary: bool = True) -> None:
         """Re-open a window saved by :meth:`window_state_dict`; nothing changes if it does not fit.
 
         The saved sums are rescaled from the loss scale (and AMP scale) they were saved with to the current
@@ -1079,7 +1041,5 @@ class GradAccumulator:
         Args:
             state: The saved window.
             primary: Whether this rank takes the saved sums (rank 0); the other ranks start from zero.
-            **removed: ``rescale`` of 0.1: a ``TypeError`` says why it is not needed.
         """
-        _refuse_removed("load_window_state_dict", removed)
         load_open_window(self, state, primary=primary)

@@ -1,9 +1,8 @@
 """The checkpoint formats: one version number for everything this package saves, and the window check.
 
-``FORMAT_VERSION`` stamps the accumulator's counters, the open window and the callback's state alike.
-History: 1 (0.1: counters under their first names; the window's weights as raw item counts), 2 (the
-window's weights relative to a reference count, frozen parameters left out), 3 (statistics named for what
-they count; the window carries its loss scale and AMP scale). Every reader accepts the older numbers.
+``FORMAT_VERSION`` stamps the accumulator's counters, the open window and the callback's state alike,
+and is the one version read (1 and 2 were never released). A format change raises it, and the readers
+say which version they found.
 
 The saved window holds its summed gradients (``.grad`` or the buffers) and its counters. Loading it is
 all-or-nothing: every check runs before anything is modified, and the first mismatch is named.
@@ -24,7 +23,18 @@ if TYPE_CHECKING:
     from .accumulator import GradAccumulator
 
 FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# what a saved window must hold besides its version, kind, ranks and tensors
+_WINDOW_KEYS = (
+    "micro_batches",
+    "items",
+    "weights",
+    "loss_sum",
+    "loss_weight",
+    "micro_clips",
+    "bad_items",
+    "loss_scale",
+    "amp_scale",
+)
 
 
 def check_window_state(
@@ -46,16 +56,19 @@ def check_window_state(
             layout holds its sums in another form (whole and averaged over ranks, or this rank's sum).
 
     Example:
-        >>> check_window_state(
-        ...     {"version": 3, "kind": "grads", "world_size": 1, "micro_batches": 2,
-        ...      "tensors": {"w": torch.zeros(3)}},
-        ...     {"w": (torch.Size([3]), torch.float32)}, "grads", 1)
+        >>> state = {"version": 3, "kind": "grads", "world_size": 2, "tensors": {"w": torch.zeros(3)},
+        ...          **dict.fromkeys(_WINDOW_KEYS, 1.0)}
+        >>> check_window_state(state, {"w": (torch.Size([3]), torch.float32)}, "grads", 2)
+        >>> check_window_state(state, {"w": (torch.Size([3]), torch.float32)}, "grads", 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: The checkpoint's pending window was accumulated on 2 rank(s), but this run has 1. ...
     """
     version = state.get("version")
-    if version not in READABLE_VERSIONS:
+    if version != FORMAT_VERSION:
         raise ValueError(
             f"The checkpoint's pending accumulation window has format version {version!r}; this version of"
-            f" lightning_gradacc reads {' and '.join(map(str, READABLE_VERSIONS))}."
+            f" lightning_gradacc reads {FORMAT_VERSION}."
         )
     if state.get("kind") != kind:
         where = {"grads": "`.grad` (no accumulation_dtype)", "buffers": "accumulation buffers"}
@@ -70,6 +83,9 @@ def check_window_state(
             f" run has {world_size}. Resume with the same number of ranks, or from a checkpoint taken at the"
             " end of a window."
         )
+    missing = [key for key in _WINDOW_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"The checkpoint's pending window is missing {missing}.")
     tensors = state.get("tensors")
     if not isinstance(tensors, Mapping):
         raise ValueError("The checkpoint's pending window has no `tensors`.")
@@ -231,10 +247,7 @@ def load_open_window(accumulator: GradAccumulator, state: Mapping[str, Any], *, 
     }
     check_window_state(state, expected, kind, world_size, sharded_now)
     amp_now = accumulator._amp_scale_value()
-    # a window saved by 0.1's core records neither scale: it is taken to carry the ones in force now
-    saved_scale = float(state.get("loss_scale", accumulator._loss_scale)) * float(
-        state.get("amp_scale", amp_now)
-    )
+    saved_scale = float(state["loss_scale"]) * float(state["amp_scale"])
     rescale = accumulator._loss_scale * amp_now / saved_scale
     accumulator.reset(set_grads_to_none=True)
     window = accumulator._window
@@ -257,8 +270,7 @@ def load_open_window(accumulator: GradAccumulator, state: Mapping[str, Any], *, 
     tally = window.tally
     if primary:
         tally.host_items = float(state["items"])
-        # format 1 weighted by raw counts: its weights are its items, relative to a reference of 1
-        tally.host_weights = float(state.get("weights", state["items"]))
+        tally.host_weights = float(state["weights"])
         tally.host_loss_sum = float(state["loss_sum"]) * rescale  # in the gradients' units
         tally.host_loss_weight = float(state["loss_weight"])
         if state["micro_clips"]:

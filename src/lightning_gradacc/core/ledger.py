@@ -28,19 +28,18 @@ MAX_PENDING = 1024
 
 @dataclass(frozen=True)
 class Statistic:
-    """One value-dependent statistic: its name, how windows fold into it, and its names in 0.1 states."""
+    """One value-dependent statistic: its name and how windows fold into it."""
 
     name: str
     fold: Fold
-    old_name: str | None = None
 
 
 STATISTICS = (
     Statistic("skipped_steps", "sum"),
-    Statistic("non_finite_windows", "sum", old_name="overflow_count"),
+    Statistic("non_finite_windows", "sum"),
     Statistic("dropped_micro_batches", "sum"),
     Statistic("empty_windows", "sum"),
-    Statistic("clipped_steps", "sum", old_name="clip_count"),
+    Statistic("clipped_steps", "sum"),
     Statistic("last_grad_norm", "last"),
     Statistic("max_grad_norm_seen", "max"),
     Statistic("items_last_step", "last"),
@@ -53,8 +52,6 @@ STATISTICS = (
 UNMEASURED = ("window_loss", "noise_scale", "grad_sq_norm_estimate", "trace_sigma_estimate")  # nan at first
 NAMES = tuple(statistic.name for statistic in STATISTICS)
 COUNTERS = tuple(statistic.name for statistic in STATISTICS if statistic.fold == "sum")
-# old name in a 0.1 state -> name now
-RENAMED = {s.old_name: s.name for s in STATISTICS if s.old_name is not None} | {"optimizer_steps": "windows"}
 _FOLD = {statistic.name: statistic.fold for statistic in STATISTICS}
 _COUNTER_SET = frozenset(COUNTERS)
 
@@ -201,10 +198,9 @@ class Ledger:
         return self.values()
 
     def load_state_dict(self, state: Mapping[str, float]) -> None:
-        """Restore saved statistics; a state saved by 0.1 (old names, no ``dropped_micro_batches``) loads."""
+        """Restore saved statistics (a statistic the state lacks starts from its initial value)."""
         loaded = _initial()
         for name, value in state.items():
-            name = RENAMED.get(name, name)
             if name in loaded:
                 loaded[name] = float(value)
         self._host = loaded

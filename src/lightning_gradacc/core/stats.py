@@ -1,14 +1,11 @@
 """AccumulationStats: what the accumulator measured, as plain Python numbers.
 
-Every field is named for what it counts. Names used by 0.1 (``optimizer_steps``, ``current_step``,
-``overflow_count``, ``clip_count``) still read, with a ``FutureWarning``, for one version; checkpoints
-saved under them still load (see :data:`~lightning_gradacc.core.ledger.RENAMED`).
+Every field is named for what it counts.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import asdict, dataclass
 
 
@@ -110,36 +107,3 @@ class AccumulationStats:
         values = asdict(self)
         values["steps_taken"] = self.steps_taken
         return values
-
-    # Names of 0.1, kept readable for one version.
-    @property
-    def optimizer_steps(self) -> int:
-        """Deprecated: windows closed (it counted skipped and empty ones too). Use ``windows``."""
-        _renamed("optimizer_steps", "windows` (or `steps_taken` for steps that happened")
-        return self.windows
-
-    @property
-    def current_step(self) -> int:
-        """Deprecated: use ``open_window_micro_batches``."""
-        _renamed("current_step", "open_window_micro_batches")
-        return self.open_window_micro_batches
-
-    @property
-    def overflow_count(self) -> int:
-        """Deprecated: ``non_finite_windows + dropped_micro_batches``; use those."""
-        _renamed("overflow_count", "non_finite_windows` and `dropped_micro_batches")
-        return self.non_finite_windows + self.dropped_micro_batches
-
-    @property
-    def clip_count(self) -> int:
-        """Deprecated: use ``clipped_steps``."""
-        _renamed("clip_count", "clipped_steps")
-        return self.clipped_steps
-
-
-def _renamed(old: str, new: str) -> None:
-    warnings.warn(
-        f"`AccumulationStats.{old}` is renamed: use `{new}`. The old name goes in the next version.",
-        FutureWarning,
-        stacklevel=3,
-    )

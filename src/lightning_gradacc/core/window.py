@@ -43,8 +43,9 @@ class Window:
 
     Args:
         buffered: Whether micro-batch gradients move into accumulation buffers.
-        loss_scale: The factor between the gradient of a micro-batch's (item-weighted) loss and what its
-            backward adds to ``.grad``: Lightning's ``1 / K``, times the AMP scale under a ``GradScaler``.
+        loss_scale: The factor every micro-batch's loss was multiplied by before backward besides its item
+            weight and the AMP scale: Lightning's ``1 / K`` (1 in a plain loop). The AMP scale is read from
+            the GradScaler when it is needed, not kept here.
         device: Device of the window's totals.
         dtype: Dtype of the window's totals.
 
