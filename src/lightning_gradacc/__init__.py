@@ -14,7 +14,7 @@ from .stats import AccumulationStats
 if TYPE_CHECKING:
     from .callback import GradientAccumulationCallback, estimated_stepping_batches
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AccumulationStats",
