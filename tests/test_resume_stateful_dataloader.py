@@ -27,6 +27,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistrib
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
+from tests.test_resume import Preempted, SaveAndStop
 
 # torchdata 0.11 calls torch.set_vital, deprecated in recent torch; nothing to act on here.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
@@ -68,23 +69,6 @@ class Module(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         return self.make_loader(indexed_data())
-
-
-class Preempted(Exception):
-    pass
-
-
-class SaveAndStop(pl.Callback):
-    """Saves a checkpoint after global micro-batch ``at`` and interrupts training (a preemption)."""
-
-    def __init__(self, at: int, path: Path) -> None:
-        self.at, self.path, self.seen = at, path, 0
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self.seen == self.at:
-            trainer.save_checkpoint(self.path)
-            raise Preempted
-        self.seen += 1
 
 
 def accumulating_trainer(builtin: bool, *callbacks: pl.Callback) -> pl.Trainer:
