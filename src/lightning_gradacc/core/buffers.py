@@ -9,13 +9,14 @@ grows by exactly the buffers; the final gradient is written back to ``.grad`` on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from .kernels import scale_
 from .shards import as_sharded_like, local_shards
+from .world import AllReduce
 
 
 class GradBuffers:
@@ -168,7 +169,7 @@ class GradBuffers:
             self._copy(targets, sources)
 
     def average_over_ranks(
-        self, all_reduce: Callable[[Tensor], Tensor], world_size: int, held_anywhere: Sequence[bool]
+        self, all_reduce: AllReduce, world_size: int, held_anywhere: Sequence[bool]
     ) -> None:
         """Replace every buffer by its mean over the ranks (what DDP's backward does to ``.grad``).
 
