@@ -752,6 +752,7 @@ class GradientAccumulationLogic(_LogicBase):
         accumulator = self._accumulator
         assert accumulator is not None
         self._stepped = self._backward_in_batch = self._finalized_in_batch = self._last_backward = False
+        self._recorded_in_open_batch = False
         if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
             self._follow_param_groups(trainer, pl_module)  # window measures the new set from its start
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
