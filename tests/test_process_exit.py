@@ -65,12 +65,12 @@ atexit.register(print, "interpreter teardown", flush=True)
 
 class SlowToClear:  # keeps the interpreter finalizing for a second (cleared with this module's globals)
     def __del__(self):
-        time.sleep(1.0)
+        time.sleep(3.0)
 
 
 slow = SlowToClear()
 # a collective whose Python callback still runs on gloo's worker thread when the script ends
-dist.all_reduce(torch.ones(4), async_op=True).get_future().then(lambda future: time.sleep(0.3))
+dist.all_reduce(torch.ones(4), async_op=True).get_future().then(lambda future: time.sleep(1.0))
 print("work done", flush=True)
 if sys.argv[1] == "exit_together":
     exit_together()

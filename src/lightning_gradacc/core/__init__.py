@@ -1,13 +1,20 @@
 """Torch-only accumulation math: no Lightning import anywhere under this package.
 
-Usable from a plain PyTorch loop, Lightning Fabric or manual optimization. One idea per module:
-``window`` (a window's lifecycle), ``weighting`` (item counts and the weighting rule), ``tally`` (a
-window's counts), ``micro_batch`` (one micro-batch checked and clipped into the buffers), ``buffers``
-(wider accumulation buffers), ``boundary`` (the stateless math at a window's end), ``kernels`` (foreach
-kernels), ``shards`` (FSDP1 slices and FSDP2 shards), ``world`` (the data-parallel ranks), ``ledger``
-(statistics folded over windows), ``stats`` (their snapshot), ``noise`` (the gradient noise scale),
-``memory`` (the process's peak), ``store`` (gradients by name), ``checkpoint`` (saved forms),
-``validation`` (the settings checked), ``errors``, and ``accumulator``, which wires them together.
+Usable from a plain PyTorch loop, Lightning Fabric or manual optimization. One idea per module, and no
+module imports back the one that wires them together:
+
+- the window: ``window`` (its lifecycle), ``tally`` (its counts), ``weighting`` (item counts and weights);
+- its gradients: ``parameters`` (the tracked parameters and their FSDP layouts), ``shards`` (FSDP1 slices
+  and FSDP2 shards), ``buffers`` (wider accumulation buffers), ``micro_batch`` (one micro-batch checked
+  and clipped into the buffers), ``gradient_scale`` (the loss scale times the AMP scale), ``store``
+  (gradients by name);
+- the boundary: ``measurement`` (what is measured, and its one host copy), ``boundary`` (the stateless
+  math: normalization, decision, application), ``kernels`` (foreach kernels), ``scalars`` (host or device
+  values), ``world`` (the data-parallel ranks);
+- reporting: ``ledger`` (statistics folded over windows), ``stats`` (their snapshot), ``noise`` (the
+  gradient noise scale), ``memory`` (the process's peak);
+- ``checkpoint`` (the saved forms), ``validation`` (the settings checked), ``errors``;
+- ``accumulator``: :class:`GradAccumulator`, which wires them together.
 """
 
 from .accumulator import GradAccumulator

@@ -5,8 +5,9 @@ boundary :meth:`GradAccumulator.finalize` turns the window's sum into the gradie
 over the micro-batches actually run, sum, or item-weighted across micro-batches and data-parallel ranks),
 detects non-finite values and clips, and says whether the optimizer should step.
 
-The pieces are listed in :mod:`lightning_gradacc.core`; this file tracks the parameters and wires them
-together.
+The pieces are listed in :mod:`lightning_gradacc.core`; this file wires them together. Per micro-batch
+two calls (:meth:`GradAccumulator.begin_micro_batch` before the backward, ``end_micro_batch`` after it);
+per window one (:meth:`GradAccumulator.finalize`).
 
 Host syncs: none while accumulating; at the boundary one when a decision needs it (``overflow="skip"``,
 ``"raise"`` or ``"skip_micro_batch"``, or counts summed over ranks), in which the statistics come along.
@@ -14,26 +15,29 @@ Host syncs: none while accumulating; at the boundary one when a decision needs i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn.parameter import is_lazy
 
-from .boundary import Decision, Flag, Norms, apply_, both, decide, either, negate
+from .boundary import Decision, Norms, apply_, decide, normalization
 from .buffers import GradBuffers
-from .checkpoint import FORMAT_VERSION, load_open_window, save_open_window
+from .checkpoint import FORMAT_VERSION, check_open_window, restore_open_window, save_open_window
 from .errors import GradientOverflowError
-from .kernels import GroupKey, combine_norms, non_finite_names, tensor_norms
+from .gradient_scale import GradientScale
+from .kernels import GroupKey, combine_norms, non_finite_names
 from .ledger import COUNTERS, Ledger
+from .measurement import Measurement, mean_loss
 from .memory import PeakMemory
-from .micro_batch import absorb_micro_batch
+from .micro_batch import MicroBatchIntake
 from .noise import NoiseScale
-from .shards import FlatShard, combine_shard_norms, flat_shards, is_fsdp_flattened, local_shards
+from .parameters import NamedParameters, TrackedParameters
+from .scalars import Flag, Scalar, as_scalar, both, either, negate
 from .stats import AccumulationStats
 from .store import WindowGradients
 from .tally import WindowTotals
@@ -42,34 +46,28 @@ from .weighting import ItemCount, ItemWeighting
 from .window import Window
 from .world import AllReduce, World
 
-Scalar = float | Tensor
+
+@dataclass(frozen=True)
+class _Sums:
+    """The window's summed gradients: per tracked parameter (``None``: none), and grouped for kernels."""
+
+    sources: list[Tensor | None]
+    grouped: dict[GroupKey, list[Tensor]]
+    shard_groups: list[Any] | None  # in group order, the process group of each sharded tensor
 
 
 @dataclass(frozen=True)
-class _Measured:
-    """What the boundary measured: host numbers after the step's sync, or device scalars."""
+class _MicroBatch:
+    """A micro-batch between :meth:`GradAccumulator.begin_micro_batch` and ``end_micro_batch``."""
 
-    totals: WindowTotals
-    norms: Norms
-    dropped: Scalar
-    micro_clips: Scalar
-    loss: tuple[Scalar, Scalar] | None  # (loss sum, loss weight) when computed now
-    noise: Tensor | list[float] | None = None  # noise.TOTALS over ranks (noise_scale=True)
-    l2_norm: Scalar | None = None  # the window's L2 norm when norm_type is not 2 (noise_scale=True)
+    count: ItemCount
+    loss: Tensor
+    last: bool
 
 
 def _stacked(scalars: list[Tensor], device: torch.device) -> Tensor:
     """One vector of scalars (empty when there are none)."""
     return torch.stack(scalars) if scalars else torch.zeros(0, device=device)
-
-
-def _mean_loss(loss_sum: Scalar, loss_weight: Scalar, loss_scale: Scalar) -> Scalar:
-    """``loss_sum / loss_weight / loss_scale`` with as few kernels as its operands allow (nan if no loss)."""
-    if isinstance(loss_weight, Tensor) or isinstance(loss_scale, Tensor):
-        return loss_sum / (loss_weight * loss_scale)
-    if not loss_weight:
-        return math.nan
-    return loss_sum * (1.0 / (loss_weight * loss_scale))
 
 
 class GradAccumulator:
@@ -155,7 +153,7 @@ class GradAccumulator:
 
     def __init__(
         self,
-        parameters: Iterable[Tensor] | Iterable[tuple[str, Tensor]],
+        parameters: NamedParameters,
         accumulation_steps: int = 1,
         *,
         scaling: str = "mean",
@@ -198,42 +196,44 @@ class GradAccumulator:
         self.settings = settings
         self._world = World(world_size, all_reduce)
         self.foreach = foreach
-        self._scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
-        if self._scaler is not None and settings.overflow == "skip_micro_batch":
+        scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        if scaler is not None and settings.overflow == "skip_micro_batch":
             raise ValueError(
                 "`overflow='skip_micro_batch'` cannot be combined with a GradScaler: the scaler must see"
                 " every overflow to lower its scale."
             )
-        self._fsdp_module = fsdp_module
-        self._named = self._named_list(parameters)
-        self.device = self._named[0][1].device
+        self._scale = GradientScale(scaler)
         dtype = settings.accumulation_dtype
-        self._buffers = GradBuffers(self._named, dtype, foreach) if dtype is not None else None
-        per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
-        if (
-            dtype is not None
-            and not per_micro_batch
-            and all(param.dtype == dtype for _, param in self._named)
-        ):
+        self._tracked = tracked = TrackedParameters(
+            parameters, buffer_dtype=dtype, fsdp_module=fsdp_module, foreach=foreach
+        )
+        self.device = tracked.device
+        self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self._buffers = GradBuffers(tracked.named, dtype, foreach) if dtype is not None else None
+        self._intake = (
+            MicroBatchIntake(tracked, self._buffers, settings, self._scale, self._world, self._ledger_dtype)
+            if self._buffers is not None
+            else None
+        )
+        checks_each = self._intake is not None and self._intake.checks
+        if dtype is not None and not checks_each and all(param.dtype == dtype for param in tracked.params):
             warnings.warn(
                 f"`accumulation_dtype={dtype}` changes nothing: the parameters are already {dtype}"
                 " (e.g. 'bf16-mixed' keeps float32 weights). Leave it unset to save the buffers' memory.",
                 stacklevel=2,
             )
-        self._layouts()
         self._reduce_gradients = bool(reduce_gradients)
-        if reduce_gradients and (dtype is None or self._sharded):
+        if reduce_gradients and (dtype is None or tracked.sharded):
             raise ValueError(
                 "Argument `reduce_gradients=True` averages the accumulation buffers over ranks: it needs"
                 " `accumulation_dtype` and unsharded parameters (FSDP reduces sharded gradients itself),"
-                f" but got accumulation_dtype={dtype} with {'sharded' if self._sharded else 'plain'}"
+                f" but got accumulation_dtype={dtype} with {'sharded' if tracked.sharded else 'plain'}"
                 " parameters."
             )
-        self._ledger_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self._ledger = Ledger(self._ledger_dtype)
         self._noise: NoiseScale | None = None
         if settings.noise_scale:
-            if self._sharded:
+            if tracked.sharded:
                 raise NotImplementedError(
                     "`noise_scale=True` is not supported with sharded (FSDP) parameters yet: their gradients"
                     " reach the shards by reduce-scatter, never through a gradient hook."
@@ -245,71 +245,34 @@ class GradAccumulator:
                 weighted=settings.scaling == "weighted",
             )
         self._memory = PeakMemory(self.device)  # read when the statistics are read; never reset
-        self._weighting = ItemWeighting(settings.scaling == "weighted", self._scalar, self._world)
+        self._weighting = ItemWeighting(
+            settings.scaling == "weighted", self._world, device=self.device, dtype=self._ledger_dtype
+        )
         # Counters that never depend on tensor values live on the host.
         self._windows = 0
         self._total_micro_batches = 0
         self._micro_batches_last_step = 0
         self._peak_memory_bytes = 0
-        self._loss_scale = 1.0
+        self._pending: _MicroBatch | None = None
         self._window = self._new_window()
 
     # ------------------------------------------------------------------------------------- parameters
 
-    def _layouts(self) -> None:
-        """Parameter indices grouped by (device, dtype of the gradient, and of the buffer)."""
-        self._grad_groups: dict[GroupKey, list[int]] = {}
-        self._buffer_groups: dict[GroupKey, list[int]] = {}
-        dtype = self.settings.accumulation_dtype
-        for index, (_, param) in enumerate(self._named):
-            self._grad_groups.setdefault((param.device, param.dtype), []).append(index)
-            self._buffer_groups.setdefault((param.device, dtype or param.dtype), []).append(index)
-        self._index = {name: index for index, (name, _) in enumerate(self._named)}
-        known = flat_shards(self._fsdp_module) if self._fsdp_module is not None else {}
-        for name, param in self._named:
-            if is_fsdp_flattened(param) and id(param) not in known:
-                raise ValueError(
-                    f"Parameter `{name}` was flattened by `FullyShardedDataParallel` (FSDP1): its gradient is"
-                    " a slice of the whole on each rank. Pass the wrapped model as `fsdp_module=` so that its"
-                    " norms are combined over the ranks."
-                )
-        # FSDP1 only: each parameter's slice (None: not flattened, or not sharded)
-        self._flat_shards: list[FlatShard | None] = [known.get(id(param)) for _, param in self._named]
-        self._flat_sharded = any(shard is not None for shard in self._flat_shards)
-        # FSDP1 slices or FSDP2 DTensors: asked per micro-batch by the per-micro-batch checks
-        self._sharded = self._flat_sharded or any(g is not None for g in local_shards(self.parameters)[1])
-
-    @staticmethod
-    def _named_list(parameters: Iterable[Tensor] | Iterable[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
-        named: list[tuple[str, Tensor]] = []
-        for index, entry in enumerate(parameters):
-            name, param = entry if isinstance(entry, tuple) else (f"param_{index}", entry)
-            if not isinstance(param, Tensor):
-                raise TypeError(
-                    f"Expected argument `parameters` to hold tensors, but got {type(param).__name__}."
-                )
-            named.append((name, param))
-        if not named:
-            raise ValueError("Expected argument `parameters` to hold at least one parameter.")
-        return named
-
-    def track(self, parameters: Iterable[Tensor] | Iterable[tuple[str, Tensor]]) -> None:
+    def track(self, parameters: NamedParameters) -> None:
         """Follow a new set of parameters, e.g. after a parameter group was added to the optimizer.
 
         Gradients (and buffers) of parameters still tracked are kept, so this may be called inside a window.
         """
-        named = self._named_list(parameters)
+        self._tracked.follow(parameters)
         if self._buffers is not None:
-            self._buffers.retrack(named)
-        self._named = named
-        self._layouts()
+            self._buffers.retrack(self._tracked.named)
         if self._noise is not None and self._noise.watching:
             self._noise.watch(self.parameters)
 
     @property
     def parameters(self) -> list[Tensor]:
         """The parameters tracked."""
-        return [param for _, param in self._named]
+        return self._tracked.params
 
     # ----------------------------------------------------------------------------------------- window
 
@@ -323,7 +286,7 @@ class GradAccumulator:
                 self._noise.remove_hooks()
         return Window(
             buffered=self._buffers is not None,
-            loss_scale=self._loss_scale,
+            loss_scale=self._scale.loss_scale,
             device=self.device,
             dtype=self._ledger_dtype,
         )
@@ -344,7 +307,7 @@ class GradAccumulator:
             >>> list(accumulator.gradients), accumulator.gradients["weight"], accumulator.window.micro_batches
             (['weight'], tensor([1., 1.]), 1)
         """
-        return WindowGradients(self)
+        return WindowGradients(self, self._tracked, self._buffers, self._scale)
 
     @property
     def accumulation_steps(self) -> int:
@@ -369,57 +332,23 @@ class GradAccumulator:
         Lightning divides each loss by K (``1 / K``); a plain loop that back-propagates the loss as it is
         keeps 1. It is told once per window: it can change only while the window is empty.
         """
-        return self._loss_scale
+        return self._scale.loss_scale
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ValueError(f"Expected `loss_scale` to be a finite number > 0, but got {value!r}.")
-        if value != self._loss_scale and not self._window.empty:
+        value = GradientScale.checked(value)
+        if value != self._scale.loss_scale and not self._window.empty:
             raise RuntimeError(
-                f"Cannot change `loss_scale` from {self._loss_scale} to {value} inside an open window"
+                f"Cannot change `loss_scale` from {self._scale.loss_scale} to {value} inside an open window"
                 f" ({self._window.micro_batches} micro-batches recorded): its gradients carry the old one."
             )
-        self._loss_scale = float(value)
-        self._window.loss_scale = float(value)
+        self._scale.loss_scale = value
+        self._window.loss_scale = value
 
     @property
     def window_full(self) -> bool:
         """Whether K micro-batches have been recorded, so the window should be finalized."""
         return self._window.micro_batches >= self._accumulation_steps
-
-    def _amp_scale(self) -> Tensor | None:
-        """The GradScaler's scale as a device tensor (``get_scale()`` would sync with the host)."""
-        if self._scaler is None:
-            return None
-        scale = getattr(self._scaler, "_scale", None)
-        own_scale = getattr(type(self._scaler), "scale", None) is torch.amp.GradScaler.scale
-        if scale is None and own_scale:  # torch's `scale()`, not called yet
-            raise RuntimeError(
-                "The GradScaler has not scaled a loss yet, but gradients were recorded: under a"
-                " `grad_scaler` every micro-batch's loss must be scaled by it before backward"
-                " (`scaler.scale(loss).backward()`, or `accumulator.backward(loss)`, which does)."
-            )
-        if not isinstance(scale, Tensor):
-            raise RuntimeError(
-                f"The GradScaler ({type(self._scaler).__name__}) keeps no tensor `_scale`, which the"
-                " accumulator reads (without a host sync) to undo the loss scale in its statistics and"
-                " clipping. Use `torch.amp.GradScaler`."
-            )
-        return scale
-
-    def _amp_scale_value(self) -> float:
-        """The GradScaler's scale as a number (syncs: for checkpoints only).
-
-        Before its first ``scale()`` call the scaler has no ``_scale`` tensor yet; ``get_scale()`` gives the
-        scale it will start from.
-        """
-        return float(self._scaler.get_scale()) if self._scaler is not None else 1.0
-
-    def _gradient_scale(self) -> Scalar:
-        """What a micro-batch's gradient in ``.grad`` carries besides its weight: loss scale x AMP scale."""
-        amp = self._amp_scale()
-        return self._loss_scale * amp if amp is not None else self._loss_scale
 
     # ------------------------------------------------------------------------------------- recording
 
@@ -473,7 +402,7 @@ class GradAccumulator:
         return self.weigh(items).weight
 
     def begin_backward(self) -> None:
-        """Say that a micro-batch's backward starts (``noise_scale=True``; ``backward`` and the callback do).
+        """Say that a micro-batch's backward starts (``noise_scale=True``; :meth:`begin_micro_batch` does).
 
         Needed when you call ``loss.backward()`` and :meth:`record` yourself: gradients of other passes
         since the last record (``torch.autograd.grad`` for a gradient penalty) are then not taken for this
@@ -482,19 +411,90 @@ class GradAccumulator:
         if self._noise is not None:
             self._noise.begin_backward()
 
-    def backward(self, loss: Tensor, items: Any = None) -> None:
+    def begin_micro_batch(
+        self,
+        loss: Tensor,
+        items: Any = None,
+        *,
+        last: bool | None = None,
+        label: str | None = None,
+        error: str | None = None,
+        in_place: bool = False,
+    ) -> Tensor:
+        """Start one micro-batch: weigh its loss and get the window ready for its backward.
+
+        The first of the two calls per micro-batch (:meth:`backward` makes both around ``backward()``; the
+        Lightning callback makes them in ``on_before_backward`` and ``on_after_backward``).
+
+        Args:
+            loss: The loss about to be back-propagated (a mean over its items, times ``loss_scale`` and,
+                under a ``grad_scaler``, already scaled by it), before its item weight.
+            items: The micro-batch's item count (see :meth:`weigh`).
+            last: Whether it ends the window (``None``: when it is the K-th). Before the window's last
+                backward under data parallelism the buffered sums go into ``.grad``, so that DDP's one
+                all-reduce carries the whole window (not with the per-micro-batch checks, which need each
+                micro-batch alone: they use ``reduce_gradients``).
+            label: How an error names the item count.
+            error: A problem the caller found with the item count already.
+            in_place: Weigh ``loss`` itself (for a caller that back-propagates that very tensor).
+
+        Returns:
+            The weighted loss to back-propagate (``loss`` itself with ``in_place``).
+        """
+        if self._pending is not None:
+            raise RuntimeError(
+                "`begin_micro_batch` was called twice without `end_micro_batch` after the backward between."
+            )
+        self.begin_backward()
+        count = self.weigh(items, loss_dtype=loss.dtype, label=label, error=error)
+        weighted = self.settings.scaling == "weighted"
+        # recorded as back-propagated, before its weight: a loss about to be weighted in place needs a copy
+        recorded = loss.detach().clone() if in_place and weighted else loss.detach()
+        to_backward = count.weigh_loss(loss, in_place=in_place)
+        last = self._window.micro_batches + 1 >= self._accumulation_steps if last is None else last
+        self._pending = _MicroBatch(count, recorded, last)
+        if last and self._flushes_before_last_backward:
+            self.flush_to_grad()
+        return to_backward
+
+    def end_micro_batch(self, *, reevaluation: bool = False) -> None:
+        """End the micro-batch begun by :meth:`begin_micro_batch`, after its backward: record it.
+
+        Args:
+            reevaluation: The same micro-batch evaluated again for the same step (see :meth:`record`).
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError(
+                "`end_micro_batch` was called without `begin_micro_batch` before the backward."
+            )
+        self.record(pending.count, pending.loss, reevaluation=reevaluation)
+        if pending.last and self._scale.scaler is not None:
+            self.flush_to_grad()  # the scaler unscales and checks `.grad`
+
+    @property
+    def _flushes_before_last_backward(self) -> bool:
+        """Whether DDP's backward all-reduce of the window's last micro-batch should carry the buffers."""
+        if self._buffers is None or self._reduce_gradients or self._tracked.sharded:
+            return False
+        if self._intake is not None and self._intake.checks:  # each micro-batch is checked on its own
+            return False
+        return self._world.resolve()[0] > 1
+
+    def backward(self, loss: Tensor, items: Any = None, *, last: bool | None = None) -> None:
         """Back-propagate one micro-batch's loss (a mean over its items) with its weight; record it.
 
-        Under a ``grad_scaler`` the weighted loss is scaled by it first.
+        Under a ``grad_scaler`` the loss is scaled by it first.
+
+        Args:
+            loss: The micro-batch's loss.
+            items: Its item count (see :meth:`weigh`).
+            last: Whether it ends the window (``None``: when it is the K-th); see :meth:`begin_micro_batch`.
         """
-        self.begin_backward()
-        count = self.weigh(items, loss_dtype=loss.dtype)
-        weighted = count.weigh_loss(loss)
-        if self._scaler is not None:
-            weighted = self._scaler.scale(weighted)
-            loss = self._scaler.scale(loss)
-        weighted.backward()  # type: ignore[no-untyped-call]
-        self.record(count, loss.detach())
+        if self._scale.scaler is not None:
+            loss = self._scale.scaler.scale(loss)
+        self.begin_micro_batch(loss, items, last=last).backward()  # type: ignore[no-untyped-call]
+        self.end_micro_batch()
 
     def record(
         self,
@@ -520,46 +520,27 @@ class GradAccumulator:
         """
         window = self._window
         count = items if isinstance(items, ItemCount) else self.weigh(items)
-        if count.problem is not None:
-            window.tally.problems.append(count.problem)
-        if count.check is not None:
-            window.tally.checks.append(count.check)
+        window.tally.note(count.problem, count.check)
         to_buffers = window.new_gradients_to_buffers
-        if to_buffers and self._flat_sharded:
-            self._check_flat_gradients()
-        keep = absorb_micro_batch(self, count) if to_buffers else None
-        weight = count.weight if self.settings.scaling == "weighted" else None
-        window.tally.add(count.items, loss, keep, weight)
+        keep = self._intake.absorb(window, count) if to_buffers and self._intake is not None else None
+        window.tally.add(count.items, loss, keep, count.weight if self._weighting.weighted else None)
         if self._noise is not None:
             if reevaluation:  # the same micro-batch again (LBFGS): measured once
                 self._noise.discard_pending()
             else:
-                amp = self._amp_scale()
-                scale = window.loss_scale * amp if amp is not None else window.loss_scale
-                self._noise.record(count.items, count.weight, scale)
+                self._noise.record(count.items, count.weight, self._scale.value())
         window.record_micro_batch(in_buffers=to_buffers)
         if not reevaluation:
             self._total_micro_batches += 1
 
-    def _check_flat_gradients(self) -> None:
-        """FSDP1 inside ``no_sync()`` leaves whole, unsynced gradients in ``.grad``: no slice to buffer."""
-        for (name, param), shard in zip(self._named, self._flat_shards, strict=True):
-            if shard is not None and param.grad is not None and param.grad.shape != param.shape:
-                raise RuntimeError(
-                    f"The gradient of `{name}` is whole ({tuple(param.grad.shape)}), not this rank's slice"
-                    f" ({tuple(param.shape)}): FSDP1 ran this backward inside `no_sync()`. Accumulation"
-                    " buffers need the gradient reduced every micro-batch; do not combine"
-                    " `accumulation_dtype` with `no_sync()`."
-                )
-
     def flush_to_grad(self) -> None:
         """Write the buffered window into ``.grad`` so that the next backward adds to it.
 
-        Call it before the backward that DDP synchronizes (its all-reduce then carries the whole window:
-        one gradient all-reduce per step, as without buffers); that micro-batch is then not checked on its
-        own, so the per-micro-batch modes use ``reduce_gradients=True`` instead. Call it after the window's
-        last :meth:`record` for a GradScaler, which unscales and checks ``.grad``. With
-        ``reduce_gradients`` the sums are averaged over ranks first. Without buffers this does nothing.
+        :meth:`begin_micro_batch` calls it before the backward that DDP synchronizes (its all-reduce then
+        carries the whole window: one gradient all-reduce per step, as without buffers), and
+        :meth:`end_micro_batch` after the window's last micro-batch under a GradScaler, which unscales and
+        checks ``.grad``. With ``reduce_gradients`` the sums are averaged over ranks first. Without buffers
+        this does nothing.
         """
         if self._buffers is not None and self._window.flush():
             self._average_over_ranks()
@@ -577,21 +558,17 @@ class GradAccumulator:
 
     # ---------------------------------------------------------------------------------------- boundary
 
-    def _scalar(self, value: Tensor | float) -> Tensor:
-        """A scalar on the ledger device, created by a fill kernel (no host-to-device copy)."""
-        if isinstance(value, Tensor):
-            if value.dtype == self._ledger_dtype and value.device == self.device and value.dim() == 0:
-                return value
-            return value.to(device=self.device, dtype=self._ledger_dtype, non_blocking=True).reshape(())
-        return torch.full((), float(value), dtype=self._ledger_dtype, device=self.device)
-
     @property
     def _decides_on_host(self) -> bool:
         """Whether the step's decision needs a host sync anyway (then every scalar comes along in it)."""
-        return self._scaler is None and self.settings.overflow != "ignore"
+        return self._scale.scaler is None and self.settings.overflow != "ignore"
 
     def finalize(self, *, reevaluation: bool = False, read_statistics: bool = False) -> bool:
         """Turn the window's summed gradients into the final gradient, in place; close the window.
+
+        Five steps: the window's sums, their measurement (norms and totals over ranks: one host copy when a
+        decision needs it), the decision (normalization, finiteness, clipping), the accounting
+        (statistics; errors for invalid counts and ``overflow="raise"``), and keeping or skipping the step.
 
         Args:
             reevaluation: The window just finalized, evaluated again for the same step (LBFGS's closure):
@@ -599,8 +576,6 @@ class GradAccumulator:
             read_statistics: The statistics will be read before the next window closes (e.g. logged):
                 the window loss is then computed now and copied in this step's one sync, instead of in
                 a second sync when it is read.
-            **removed: Keyword arguments of 0.1 (``grad_scale``, ``loss_scale``,
-                ``overflow_handled_externally``): a ``TypeError`` says what replaces them.
 
         Returns:
             Whether the optimizer should step. ``False`` for a skipped non-finite window and for an empty
@@ -615,28 +590,13 @@ class GradAccumulator:
         if window.empty:
             return self._close_empty(reevaluation)
         try:
-            sources, grads, shard_groups = self._window_sums(window)
-            world_size, all_reduce = self._world.resolve()
-            if self._noise is not None and self._noise.stale(self.parameters):
-                self._noise.mark_unusable()  # a layer unfrozen inside the window had no hook
-            measured = self._measure(window, grads, shard_groups, all_reduce, read_statistics)
-            normalization = self._normalization(measured.totals.weights, measured.dropped, world_size)
-            decision = decide(
-                measured.norms,
-                normalization,
-                # clip_mode="micro_batch" clipped each micro-batch: a sum of them is not clipped again
-                max_norm=self.settings.max_grad_norm if self.settings.clip_mode == "step" else None,
-                clip_scope=self.settings.clip_scope,  # type: ignore[arg-type]
-                clip_value=self.settings.clip_value,
-            )
-            live, has_items = self._account(window, measured, decision, reevaluation, normalization)
-            self._weighting.rebase(measured.totals.items, window.micro_batches * world_size)
-            step = self._windows - (0 if reevaluation else 1)
-            if not self._keeps_step(window, step, live, has_items, measured.totals.bad_items, sources):
-                for _, param in self._named:
-                    param.grad = None
+            sums = self._sums(window)
+            measured, norms = self._measure(window, sums, read_statistics)
+            factor, decision = self._decide(window, measured, norms)
+            if not self._account(window, measured, decision, factor, sums, reevaluation):
+                self._tracked.set_grads_to_none()
                 return False
-            apply_(grads, decision, clip_value=self.settings.clip_value, foreach=self.foreach)
+            apply_(sums.grouped, decision, clip_value=self.settings.clip_value, foreach=self.foreach)
             if window.sums_in_buffers:
                 assert self._buffers is not None
                 self._buffers.write_to_grads()  # one rounding to the parameters' dtype, at the end
@@ -645,154 +605,142 @@ class GradAccumulator:
             window.close()
             self._window = self._new_window()
 
-    def _window_sums(
-        self, window: Window
-    ) -> tuple[list[Tensor | None], dict[GroupKey, list[Tensor]], list[Any] | None]:
-        """The window's sums per tracked parameter (``None``: no gradient), grouped by (device, dtype).
+    def _sums(self, window: Window) -> _Sums:
+        """The window's sums per tracked parameter, grouped by (device, dtype) as local tensors.
 
-        Sharded gradients (``DTensor``) are replaced by their local shards, worked on in place; the third
-        value gives, in group order, the process group of each sharded one (``None`` if none is sharded).
+        Sharded gradients (``DTensor``) are replaced by their local shards, worked on in place.
         """
         if window.sums_in_buffers:
             assert self._buffers is not None
             self._average_over_ranks()
-            sources, layout = self._buffers.window(), self._buffer_groups  # dense by construction
+            sources = self._buffers.window()  # dense by construction
         else:
-            sources, layout = [param.grad for _, param in self._named], self._grad_groups
-            for (name, _), tensor in zip(self._named, sources, strict=True):
+            sources = self._tracked.grads()
+            for name, tensor in zip(self._tracked.names, sources, strict=True):
                 if tensor is not None and tensor.is_sparse:
                     raise TypeError(f"Sparse gradients are not supported (parameter `{name}`).")
-        grads, in_group_order = self._local_layout(sources, layout, already_local=window.sums_in_buffers)
-        return sources, grads, in_group_order
+        grouped, shard_groups = self._tracked.local_layout(sources, in_buffers=window.sums_in_buffers)
+        return _Sums(sources, grouped, shard_groups)
 
-    def _local_layout(
-        self, sources: list[Tensor | None], layout: dict[GroupKey, list[int]], *, already_local: bool
-    ) -> tuple[dict[GroupKey, list[Tensor]], list[Any] | None]:
-        """``sources`` (one per tracked parameter) as local tensors grouped by ``layout``, and their groups.
-
-        The second value gives, in group order, the process group of each sharded tensor (``None`` if
-        none is sharded).
-        """
-        if already_local:  # buffers hold local shards; the parameters say how they are spread
-            local, groups = list(sources), local_shards([param for _, param in self._named])[1]
-        else:
-            local, groups = local_shards(sources)
-        if self._flat_sharded:  # FSDP1: a rank holding none of a parameter still takes its slot (norm 0)
-            for index, shard in enumerate(self._flat_shards):
-                if shard is not None:
-                    groups[index] = shard.group
-                    if local[index] is None:
-                        local[index] = self._named[index][1].new_zeros(0)
-        grads = {key: [t for i in ids if (t := local[i]) is not None] for key, ids in layout.items()}
-        if not any(group is not None for group in groups):
-            return grads, None
-        return grads, [groups[i] for ids in layout.values() for i in ids if local[i] is not None]
-
-    def _micro_batch_norm(self) -> Tensor:
-        """The total norm of ``.grad`` (one micro-batch), combined over shards: a device scalar, no sync."""
-        grads, groups = self._local_layout(
-            [param.grad for _, param in self._named], self._grad_groups, already_local=False
-        )
-        each = self._tensor_norms(grads, self.settings.norm_type, groups)
-        return combine_norms(each, self.settings.norm_type, device=self.device)
-
-    def _tensor_norms(
-        self, grads: dict[GroupKey, list[Tensor]], norm_type: float, shard_groups: list[Any] | None
-    ) -> list[Tensor]:
-        """Each gradient's norm (in group order), combined over its shards when it is sharded."""
-        each = tensor_norms(grads, norm_type, device=self.device, foreach=self.foreach)
-        return each if shard_groups is None else combine_shard_norms(each, shard_groups, norm_type)
-
-    def _measure(
-        self,
-        window: Window,
-        grads: dict[GroupKey, list[Tensor]],
-        shard_groups: list[Any] | None,
-        all_reduce: AllReduce | None,
-        read_statistics: bool,
-    ) -> _Measured:
-        """Norms and totals of the window, as host numbers or device scalars.
+    def _measure(self, window: Window, sums: _Sums, read_statistics: bool) -> tuple[Measurement, Norms]:
+        """Norms and totals of the window over ranks, as host numbers or device scalars.
 
         On the host after the step's one sync when a decision needs it (everything else the step needs
         comes along in it); device scalars otherwise.
         """
-        settings = self.settings
-        totals, noise = self._window_totals(all_reduce)
-        dropped: Scalar = window.dropped if window.dropped is not None else 0.0
-        micro_clips: Scalar = window.micro_clips if window.micro_clips is not None else 0.0
-        loss: tuple[Scalar, Scalar] | None = None
-        if all_reduce is not None:  # summed over ranks already
-            loss = (totals.loss_sum, totals.loss_weight)
-        elif read_statistics:
-            loss = window.tally.loss_totals()
-        each = self._tensor_norms(grads, settings.norm_type, shard_groups)
+        settings, tracked = self.settings, self._tracked
+        if self._noise is not None and self._noise.stale(self.parameters):
+            self._noise.mark_unusable()  # a layer unfrozen inside the window had no hook
+        measured = self._window_totals(window, read_statistics)
+        grads, groups = sums.grouped, sums.shard_groups
+        each = tracked.tensor_norms(grads, settings.norm_type, groups)
         each_largest: list[Tensor] | None = None  # each tensor's largest element, for clip_value
         if settings.clip_value is not None:
             each_largest = (
-                each if settings.norm_type == math.inf else self._tensor_norms(grads, math.inf, shard_groups)
+                each if settings.norm_type == math.inf else tracked.tensor_norms(grads, math.inf, groups)
             )
-        l2_norm: Tensor | None = None  # the noise scale needs the L2 norm whatever norm_type clips
-        if noise is not None and settings.norm_type != 2.0:
-            l2_norm = combine_norms(self._tensor_norms(grads, 2.0, shard_groups), 2.0, device=self.device)
+        if measured.noise is not None and settings.norm_type != 2.0:  # the noise scale needs the L2 norm
+            l2 = combine_norms(tracked.tensor_norms(grads, 2.0, groups), 2.0, device=self.device)
+            measured = dataclasses.replace(measured, l2_norm=l2)
         if not self._decides_on_host:
             per_tensor = settings.clip_scope == "parameter" and settings.max_grad_norm is not None
             norms = Norms.on_device(
                 each, settings.norm_type, each_largest, device=self.device, keep_per_tensor=per_tensor
             )
-            return _Measured(totals, norms, dropped, micro_clips, loss, noise, l2_norm)
+            return measured, norms
         # Each tensor's norm goes to the host, where they are combined: no kernel for the total.
-        tensor_wise = _stacked(each, self.device)
-        largest_wise = [_stacked(each_largest, self.device)] if each_largest is not None else []
-        values = [*totals.values(), dropped, micro_clips, *(loss or ()), tensor_wise, *largest_wise]
-        if noise is not None:
-            values.append(noise)
-        if l2_norm is not None:
-            values.append(l2_norm)
-        on_device = [i for i, value in enumerate(values) if isinstance(value, Tensor)]
-        for i, value in zip(on_device, self._ledger.sync(*(values[i] for i in on_device)), strict=True):
-            values[i] = value
-        offset = 9 if loss is not None else 7
+        measured = dataclasses.replace(
+            measured,
+            tensor_norms=_stacked(each, self.device),
+            tensor_largest=_stacked(each_largest, self.device) if each_largest is not None else None,
+        ).to_host(self._ledger.sync)
         wide = torch.float64 if any(dtype == torch.float64 for _, dtype in grads) else torch.float32
-        return _Measured(
-            WindowTotals(*values[:5]),
-            Norms.on_host(
-                values[offset],
-                settings.norm_type,
-                values[offset + 1] if settings.clip_value is not None else None,
-                dtype=wide,
-            ),
-            values[5],
-            values[6],
-            (values[7], values[8]) if loss is not None else None,
-            values[-2 if l2_norm is not None else -1] if noise is not None else None,
-            values[-1] if l2_norm is not None else None,
+        norms = Norms.on_host(
+            measured.tensor_norms,  # type: ignore[arg-type]
+            settings.norm_type,
+            measured.tensor_largest if settings.clip_value is not None else None,  # type: ignore[arg-type]
+            dtype=wide,
         )
+        return measured, norms
+
+    def _window_totals(self, window: Window, read_statistics: bool) -> Measurement:
+        """The window's totals and noise-scale totals, summed over ranks (one small all-reduce).
+
+        Alone (no all-reduce), the loss totals are computed only if they will be read.
+        """
+        _, all_reduce = self._world.resolve()
+        totals = window.tally.totals(with_loss=all_reduce is not None)
+        noise = self._noise.window_totals() if self._noise is not None else None
+        loss: tuple[Scalar, Scalar] | tuple[None, None] = (None, None)
+        if all_reduce is not None:
+            packed = torch.stack([self._scalar(value) for value in totals.values()])
+            if noise is not None:  # three more scalars in the same all-reduce
+                packed = torch.cat([packed, noise])
+            reduced = all_reduce(packed)
+            items, weights, loss_sum, loss_weight, bad_items = reduced[:5].unbind()
+            noise = reduced[5:] if noise is not None else None
+            loss = (loss_sum, loss_weight)
+            totals = WindowTotals(items, weights, loss_sum, loss_weight, bad_items)
+        elif read_statistics:
+            loss = window.tally.loss_totals()
+        return Measurement(
+            items=totals.items,
+            weights=totals.weights,
+            bad_items=totals.bad_items,
+            dropped=window.dropped if window.dropped is not None else 0.0,
+            micro_clips=window.micro_clips if window.micro_clips is not None else 0.0,
+            loss_sum=loss[0],
+            loss_weight=loss[1],
+            noise=noise,
+        )
+
+    def _decide(self, window: Window, measured: Measurement, norms: Norms) -> tuple[Scalar, Decision]:
+        """The normalization factor, and what it and clipping make of the window's sum."""
+        world_size, _ = self._world.resolve()
+        factor = normalization(
+            self.settings.scaling,
+            window.micro_batches,
+            dropped=measured.dropped,
+            weights=measured.weights,
+            loss_scale=self._scale.loss_scale,
+            world_size=world_size,
+        )
+        decision = decide(
+            norms,
+            factor,
+            # clip_mode="micro_batch" clipped each micro-batch: a sum of them is not clipped again
+            max_norm=self.settings.max_grad_norm if self.settings.clip_mode == "step" else None,
+            clip_scope=self.settings.clip_scope,  # type: ignore[arg-type]
+            clip_value=self.settings.clip_value,
+        )
+        return factor, decision
 
     def _account(
         self,
         window: Window,
-        measured: _Measured,
+        measured: Measurement,
         decision: Decision,
+        factor: Scalar,
+        sums: _Sums,
         reevaluation: bool,
-        normalization: Scalar,
-    ) -> tuple[Flag, Flag]:
-        """Fold the window into the statistics.
+    ) -> bool:
+        """Fold the window into the statistics and say whether the optimizer steps.
 
-        Returns:
-            Whether the window is live (finite, not every micro-batch dropped) and whether it has items.
+        Raises:
+            ValueError: an item count of the window was invalid (on every rank: the counts are summed).
+            GradientOverflowError: ``overflow="raise"`` and the gradient is not finite.
         """
-        has_items: Flag = measured.totals.weights > 0 if self.settings.scaling == "weighted" else True
+        has_items: Flag = measured.weights > 0 if self._weighting.weighted else True
         live = both(decision.finite, measured.dropped < window.micro_batches)
-        skips = self._scaler is not None or self.settings.overflow in ("skip", "skip_micro_batch")
-        amp = self._amp_scale()
-        loss_scale = window.loss_scale * amp if amp is not None else window.loss_scale
+        skips = self._scale.scaler is not None or self.settings.overflow in ("skip", "skip_micro_batch")
+        gradient_scale = self._scale.value()
         window_loss: Scalar | Callable[[], Scalar]
-        if measured.loss is not None:
-            window_loss = _mean_loss(*measured.loss, loss_scale)
+        if measured.loss_sum is not None and measured.loss_weight is not None:
+            window_loss = mean_loss(measured.loss_sum, measured.loss_weight, gradient_scale)
         else:  # computed only if it is read before the next window closes
 
             def window_loss() -> Scalar:
-                return _mean_loss(*window.tally.loss_totals(), loss_scale)
+                return mean_loss(*window.tally.loss_totals(), gradient_scale)
 
         self._ledger.fold(
             {
@@ -802,20 +750,22 @@ class GradAccumulator:
                 "empty_windows": negate(has_items),
                 "clipped_steps": either(decision.clipped, measured.micro_clips > 0),
                 "last_grad_norm": decision.norm,
-                "items_last_step": measured.totals.items,
-                **({"items_last_full_step": measured.totals.items} if self.window_full else {}),
+                "items_last_step": measured.items,
+                **({"items_last_full_step": measured.items} if self.window_full else {}),
                 "window_loss": window_loss,
-                **self._noise_statistics(window, measured, decision, normalization),
+                **self._noise_statistics(window, measured, decision, factor),
             },
             count=not reevaluation,
         )
         self._micro_batches_last_step = window.micro_batches
         if not reevaluation:
             self._windows += 1
-        return live, has_items
+        world_size, _ = self._world.resolve()
+        self._weighting.rebase(measured.items, window.micro_batches * world_size)
+        return self._keeps_step(window, live, has_items, measured.bad_items, sums, reevaluation)
 
     def _noise_statistics(
-        self, window: Window, measured: _Measured, decision: Decision, normalization: Scalar
+        self, window: Window, measured: Measurement, decision: Decision, factor: Scalar
     ) -> dict[str, Scalar]:
         """The window's noise-scale estimates (``noise_scale=True``), folded into the averages."""
         if self._noise is None or measured.noise is None:
@@ -823,11 +773,11 @@ class GradAccumulator:
         noise = measured.noise
         parts: list[Scalar] = list(noise.unbind()) if isinstance(noise, Tensor) else list(noise)
         # |G_W|: the L2 norm of the final gradient before clipping (the p-norm's L2 twin for another p)
-        factor: Any = abs(normalization)  # a number or a device scalar
-        norm = decision.norm if measured.l2_norm is None else measured.l2_norm * factor
+        scale: Any = abs(factor)  # a number or a device scalar
+        norm = decision.norm if measured.l2_norm is None else measured.l2_norm * scale
         # the window's mean gradient: "sum" is k times the mean over every rank's micro-batches
         mean = norm / window.micro_batches if self.settings.scaling == "sum" else norm
-        found = self._noise.update(parts, mean * mean, items=measured.totals.items)
+        found = self._noise.update(parts, mean * mean, items=measured.items)
         return {
             "noise_scale": found.noise_scale,
             "grad_sq_norm_estimate": found.grad_sq_norm,
@@ -835,15 +785,9 @@ class GradAccumulator:
         }
 
     def _keeps_step(
-        self,
-        window: Window,
-        step: int,
-        live: Flag,
-        has_items: Flag,
-        bad_items: Scalar,
-        sources: list[Tensor | None],
+        self, window: Window, live: Flag, has_items: Flag, bad_items: Scalar, sums: _Sums, reevaluation: bool
     ) -> bool:
-        """Whether the optimizer steps; raises for invalid counts or ``overflow="raise"``."""
+        """Whether the optimizer steps (a host answer); raises for invalid counts or ``overflow="raise"``."""
         flags = (live if self._decides_on_host else True, has_items, bad_items)
         if any(isinstance(flag, Tensor) for flag in flags):  # counts summed over ranks, overflow ignored
             keeps_step, has_any, bad = self._ledger.sync(*(self._scalar(flag) for flag in flags))
@@ -851,50 +795,19 @@ class GradAccumulator:
             keeps_step, has_any, bad = (float(flag) for flag in flags)
         if bad:
             raise ValueError(self._invalid_count_message(window, int(bad)))
-        if has_any and not keeps_step and self.settings.overflow == "raise" and self._scaler is None:
-            named = [(n, t) for (n, _), t in zip(self._named, sources, strict=True) if t is not None]
+        if has_any and not keeps_step and self.settings.overflow == "raise" and self._scale.scaler is None:
+            step = self._windows - (0 if reevaluation else 1)
+            named = [(n, t) for n, t in zip(self._tracked.names, sums.sources, strict=True) if t is not None]
             raise GradientOverflowError(step, non_finite_names(named))
         return bool(keeps_step and has_any)
 
-    def _window_totals(self, all_reduce: AllReduce | None) -> tuple[WindowTotals, Tensor | None]:
-        """The window's totals and noise-scale totals, summed over ranks (one small all-reduce).
-
-        Alone (no all-reduce), the loss totals are left out (computed only if read).
-        """
-        totals = self._window.tally.totals(with_loss=all_reduce is not None)
-        noise = self._noise.window_totals() if self._noise is not None else None
-        if all_reduce is None:
-            return totals, noise
-        packed = torch.stack([self._scalar(value) for value in totals.values()])
-        if noise is not None:  # three more scalars in the same all-reduce
-            packed = torch.cat([packed, noise])
-        reduced = all_reduce(packed)
-        return WindowTotals(*reduced[:5].unbind()), (reduced[5:] if noise is not None else None)
-
-    def _normalization(self, weights: Scalar, dropped: Scalar, world_size: int) -> Scalar:
-        """The factor that turns the window's sum into the contract's gradient (docs/architecture.md).
-
-        ``.grad`` holds the sum over micro-batches of weight x loss scale x gradient (averaged over ranks by
-        DDP); a GradScaler has already divided its own scale out.
-        """
-        window, scaling = self._window, self.settings.scaling
-        scale = window.loss_scale
-        if scaling == "mean":
-            if isinstance(dropped, Tensor):
-                return 1.0 / ((window.micro_batches - dropped).clamp(min=1) * scale)
-            return 1.0 / (max(window.micro_batches - dropped, 1) * scale)
-        if scaling == "sum":
-            return 1.0 / scale
-        # weighted: w = items / reference, so dividing by sum w (over ranks: times R for DDP's average) gives
-        # sum n g / sum n. A window without items never steps.
-        if isinstance(weights, Tensor):
-            return world_size / (scale * torch.where(weights > 0, weights, 1.0))
-        return world_size / (scale * (weights if weights > 0 else 1.0))
+    def _scalar(self, value: Scalar) -> Tensor:
+        """A scalar on the ledger device, created by a fill kernel (no host-to-device copy)."""
+        return as_scalar(value, self.device, self._ledger_dtype)
 
     def _close_empty(self, reevaluation: bool) -> bool:
         """Close a window in which no micro-batch was recorded: no step (counted in ``empty_windows``)."""
-        for _, param in self._named:  # e.g. stale gradients of an earlier window: nothing to step with
-            param.grad = None
+        self._tracked.set_grads_to_none()  # e.g. stale gradients of an earlier window: nothing to step with
         self._ledger.fold(
             {"empty_windows": 1.0, "last_grad_norm": 0.0, "items_last_step": 0.0, "window_loss": math.nan},
             count=not reevaluation,
@@ -923,7 +836,7 @@ class GradAccumulator:
         """
         if not (self.window_full or (force and not self._window.empty)):
             return False
-        scaler = self._scaler
+        scaler = self._scale.scaler
         if scaler is not None:
             self.flush_to_grad()  # the scaler unscales and checks `.grad`
             scaler.unscale_(optimizer)
@@ -945,9 +858,9 @@ class GradAccumulator:
         self._window = self._new_window()
         if self._noise is not None:
             self._noise.discard()
+        self._pending = None
         if set_grads_to_none:
-            for _, param in self._named:
-                param.grad = None
+            self._tracked.set_grads_to_none()
 
     def remove_hooks(self) -> None:
         """Remove the gradient hook of ``noise_scale=True`` (call it before replacing the accumulator)."""
@@ -968,11 +881,7 @@ class GradAccumulator:
             windows=self._windows,
             total_micro_batches=self._total_micro_batches,
             micro_batches_last_step=self._micro_batches_last_step,
-            num_parameters=sum(  # whole parameters, sharded or not (an FSDP1 slice counts its whole)
-                shard.shape.numel() if shard is not None else param.numel()
-                for (_, param), shard in zip(self._named, self._flat_shards, strict=True)
-                if param.requires_grad and not is_lazy(param)
-            ),
+            num_parameters=self._tracked.num_parameters(),
             buffer_bytes=self._buffers.nbytes if self._buffers is not None else 0,
             peak_memory_bytes=self._peak_memory_bytes,
             **{name: int(value) if name in COUNTERS else value for name, value in ledger.items()},  # type: ignore[arg-type]
@@ -1030,7 +939,14 @@ class GradAccumulator:
         the first rank, with the other ranks starting from zero, the sum continues exactly, because the
         all-reduce at the end of the window is linear. Syncs with the device (checkpoint time only).
         """
-        return save_open_window(self)
+        return save_open_window(
+            self._window,
+            self._tracked,
+            self._buffers,
+            scale=self._scale,
+            weighting=self._weighting,
+            world=self._world,
+        )
 
     def load_window_state_dict(self, state: Mapping[str, Any], *, primary: bool = True) -> None:
         """Re-open a window saved by :meth:`window_state_dict`; nothing changes if it does not fit.
@@ -1042,4 +958,20 @@ class GradAccumulator:
             state: The saved window.
             primary: Whether this rank takes the saved sums (rank 0); the other ranks start from zero.
         """
-        load_open_window(self, state, primary=primary)
+        if not self._window.empty:
+            raise RuntimeError(
+                "A saved window can only be loaded between windows (the open one is not empty)."
+            )
+        check_open_window(state, self._tracked, self._buffers, self._world)
+        self.reset(set_grads_to_none=True)
+        restore_open_window(
+            state,
+            self._window,
+            self._tracked,
+            self._buffers,
+            scale=self._scale,
+            weighting=self._weighting,
+            primary=primary,
+        )
+        if self._noise is not None:  # the restored micro-batches' own norms were not saved
+            self._noise.mark_unusable()

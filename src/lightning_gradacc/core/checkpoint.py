@@ -11,16 +11,19 @@ all-or-nothing: every check runs before anything is modified, and the first mism
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from .buffers import GradBuffers
+from .gradient_scale import GradientScale
+from .parameters import TrackedParameters
+from .scalars import as_scalar
 from .shards import as_sharded_like, distribute_like, fsdp2_held_back, local_shards
-from .window import WindowState
-
-if TYPE_CHECKING:
-    from .accumulator import GradAccumulator
+from .weighting import ItemWeighting
+from .window import Window, WindowState
+from .world import World
 
 FORMAT_VERSION = 3
 # what a saved window must hold besides its version, kind, ranks and tensors
@@ -123,56 +126,62 @@ UNSYNCED = (
 )
 
 
-def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
-    """``accumulator``'s open window (its summed gradients and counters), or ``None`` between windows.
+def save_open_window(
+    window: Window,
+    tracked: TrackedParameters,
+    buffers: GradBuffers | None,
+    *,
+    scale: GradientScale,
+    weighting: ItemWeighting,
+    world: World,
+) -> dict[str, Any] | None:
+    """The open ``window`` (its summed gradients and counters), or ``None`` between windows.
 
     Under data parallelism the rank-dependent parts (gradients, items, losses) are summed over ranks:
     a collective, so every rank must call it (Lightning does, when it saves a checkpoint). Loaded on
     the first rank, with the other ranks starting from zero, the sum continues exactly, because the
     all-reduce at the end of the window is linear. Syncs with the device (checkpoint time only).
     """
-    window = accumulator._window
     if window.empty:
         return None
-    shard_groups = local_shards([p for _, p in accumulator._named])[1]
+    named, shard_groups = tracked.named, tracked.shard_groups
     in_buffers = window.sums_in_buffers
-    module = accumulator._fsdp_module
+    module = tracked.fsdp_module
     if module is not None:  # decided per parameter
         held = fsdp2_held_back(module)
-        names = [name for name, param in accumulator._named if id(param) in held]
+        names = [name for name, param in named if id(param) in held]
         if names:
             raise NotImplementedError(UNSYNCED.format("FSDP2") + f" Held back: {', '.join(names)}.")
     elif (
         any(group is not None for group in shard_groups)
         and not in_buffers
-        and all(p.grad is None for _, p in accumulator._named)
+        and all(grad is None for grad in tracked.grads())
     ):  # without the module only a window with no gradient at all shows it
         raise NotImplementedError(UNSYNCED.format("FSDP2"))
-    flat = accumulator._flat_shards
+    flat = tracked.flat_shards
     if not in_buffers and any(
         shard is not None and p.grad is not None and p.grad.shape != p.shape
-        for (_, p), shard in zip(accumulator._named, flat, strict=True)
+        for (_, p), shard in zip(named, flat, strict=True)
     ):  # FSDP1 inside `no_sync()`: whole gradients, each rank's own
         raise NotImplementedError(UNSYNCED.format("FSDP1 (`no_sync()`)"))
-    world_size, all_reduce = accumulator._world.resolve()
+    world_size, all_reduce = world.resolve()
 
     def summed(tensor: Tensor) -> Tensor:
         return all_reduce(tensor.clone()) if all_reduce is not None else tensor
 
-    buffers = accumulator._buffers
     sums = buffers.window() if in_buffers and buffers is not None else None
     if buffers is not None and window.state is WindowState.FLUSHED:
         # flushed into `.grad` (for DDP's last backward, or a GradScaler): still a buffered window, saved
         # as the buffers' local sums in their dtype, so that it loads into buffers again
-        grads = local_shards([param.grad for _, param in accumulator._named])[0]
+        grads = local_shards(tracked.grads())[0]
         in_buffers, sums = True, [None if t is None else t.to(buffers.dtype) for t in grads]
     tensors: dict[str, Tensor] = {}
     sharded: list[str] = []
-    for index, (name, param) in enumerate(accumulator._named):
+    for index, (name, param) in enumerate(named):
         tensor = sums[index] if sums is not None else param.grad
         if tensor is None and not param.requires_grad:  # frozen: nothing to save (the same on every rank)
             continue
-        dtype = accumulator._buffers.dtype if in_buffers and accumulator._buffers is not None else param.dtype
+        dtype = buffers.dtype if in_buffers and buffers is not None else param.dtype
         if flat[index] is not None:  # FSDP1: each rank's slice, put together once here
             whole_flat = flat[index].whole(  # type: ignore[union-attr]
                 tensor.detach() if tensor is not None else None, dtype, param.device
@@ -193,9 +202,11 @@ def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
         tensors[name] = summed(local).cpu()
     totals = window.tally.totals()
     micro_clips = window.micro_clips if window.micro_clips is not None else 0.0
-    counters = torch.stack([accumulator._scalar(value) for value in (*totals.values(), micro_clips)])
+    dtype = window.tally.dtype
+    counters = torch.stack(
+        [as_scalar(value, tracked.device, dtype) for value in (*totals.values(), micro_clips)]
+    )
     items, weights, loss_sum, loss_weight, bad_items, micro_clips = summed(counters).tolist()
-    reference = accumulator._weighting.reference_count
     return {
         "version": FORMAT_VERSION,
         "kind": "buffers" if in_buffers else "grads",
@@ -204,57 +215,68 @@ def save_open_window(accumulator: GradAccumulator) -> dict[str, Any] | None:
         "dropped": float(window.dropped) if window.dropped is not None else None,  # the same on every rank
         "items": items,
         "weights": weights,
-        "reference_count": float(reference) if reference is not None else None,
+        **weighting.state_dict(),
         "loss_sum": loss_sum,
         "loss_weight": loss_weight,
         "micro_clips": micro_clips,
         "bad_items": bad_items,
-        "loss_scale": window.loss_scale,
-        "amp_scale": accumulator._amp_scale_value(),
+        **scale.state_dict(),
         "tensors": tensors,
         "sharded": sharded,  # whole gradients of sharded parameters: every rank takes its shard at load
     }
 
 
-def load_open_window(accumulator: GradAccumulator, state: Mapping[str, Any], *, primary: bool = True) -> None:
-    """Re-open a window saved by :func:`save_open_window`; nothing changes if it does not fit.
+def _expected(
+    tracked: TrackedParameters, buffers: GradBuffers | None
+) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    return {
+        name: (
+            shard.shape if shard is not None else param.shape,  # FSDP1: the whole parameter's
+            buffers.dtype if buffers is not None else param.dtype,
+        )
+        for (name, param), shard in zip(tracked.named, tracked.flat_shards, strict=True)
+    }
+
+
+def check_open_window(
+    state: Mapping[str, Any], tracked: TrackedParameters, buffers: GradBuffers | None, world: World
+) -> None:
+    """Raise ``ValueError`` if the saved window ``state`` does not fit these parameters and ranks."""
+    world_size, _ = world.resolve()
+    kind = "buffers" if buffers is not None else "grads"
+    check_window_state(state, _expected(tracked, buffers), kind, world_size, tracked.sharded_names())
+
+
+def restore_open_window(
+    state: Mapping[str, Any],
+    window: Window,
+    tracked: TrackedParameters,
+    buffers: GradBuffers | None,
+    *,
+    scale: GradientScale,
+    weighting: ItemWeighting,
+    primary: bool = True,
+) -> None:
+    """Put a window checked by :func:`check_open_window` into the new, empty ``window``.
 
     The saved sums are rescaled from the loss scale (and AMP scale) they were saved with to the current
     ones, so a window resumes exactly with another K or after the GradScaler changed its scale.
 
     Args:
-        accumulator: The accumulator whose (empty) window takes the saved one.
         state: The saved window.
+        window: The open window (empty; its gradients were set to ``None``).
+        tracked: The parameters.
+        buffers: The accumulation buffers, if any.
+        scale: The current loss and AMP scale.
+        weighting: Takes the saved reference count.
         primary: Whether this rank takes the saved sums (rank 0); the other ranks start from zero.
     """
-    if not accumulator._window.empty:
-        raise RuntimeError("A saved window can only be loaded between windows (the open one is not empty).")
-    kind = "buffers" if accumulator._buffers is not None else "grads"
-    flat = accumulator._flat_shards
-    expected = {
-        name: (
-            shard.shape if shard is not None else param.shape,  # FSDP1: the whole parameter's
-            accumulator._buffers.dtype if accumulator._buffers is not None else param.dtype,
-        )
-        for (name, param), shard in zip(accumulator._named, flat, strict=True)
-    }
-    world_size, _ = accumulator._world.resolve()
-    groups = local_shards([param for _, param in accumulator._named])[1]
-    sharded_now = {
-        name
-        for (name, _), piece, group in zip(accumulator._named, flat, groups, strict=True)
-        if piece is not None or group is not None
-    }
-    check_window_state(state, expected, kind, world_size, sharded_now)
-    amp_now = accumulator._amp_scale_value()
-    saved_scale = float(state["loss_scale"]) * float(state["amp_scale"])
-    rescale = accumulator._loss_scale * amp_now / saved_scale
-    accumulator.reset(set_grads_to_none=True)
-    window = accumulator._window
+    expected = _expected(tracked, buffers)
+    rescale = scale.rescale_from(dict(state))
     saved_tensors = state["tensors"]
     sharded = set(state.get("sharded", ()))
     saved: list[Tensor | None] = []
-    for (name, param), piece in zip(accumulator._named, flat, strict=True):
+    for (name, param), piece in zip(tracked.named, tracked.flat_shards, strict=True):
         if name not in saved_tensors:
             saved.append(None)
         elif name in sharded and piece is not None:  # FSDP1: every rank, its slice of the whole
@@ -262,7 +284,7 @@ def load_open_window(accumulator: GradAccumulator, state: Mapping[str, Any], *, 
         elif name in sharded:  # every rank: its shard of the whole gradient
             whole = saved_tensors[name].to(param.device) * rescale
             shard = distribute_like(param, whole)
-            saved.append(shard.to_local() if accumulator._buffers is not None else shard)  # type: ignore[attr-defined]
+            saved.append(shard.to_local() if buffers is not None else shard)  # type: ignore[attr-defined]
         elif primary:
             saved.append(saved_tensors[name].to(param.device) * rescale)
         else:
@@ -276,16 +298,12 @@ def load_open_window(accumulator: GradAccumulator, state: Mapping[str, Any], *, 
         if state["micro_clips"]:
             window.micro_clips = float(state["micro_clips"])
         tally.host_bad = float(state["bad_items"])
-    if accumulator.settings.scaling == "weighted":
-        reference = state.get("reference_count", 1.0)
-        accumulator._weighting.reference_count = float(reference) if reference is not None else None
-    if accumulator._buffers is not None:
-        accumulator._buffers.load(saved)
+    weighting.load_state_dict(state)
+    if buffers is not None:
+        buffers.load(saved)
     else:
-        for (_, param), tensor in zip(accumulator._named, saved, strict=True):
+        for (_, param), tensor in zip(tracked.named, saved, strict=True):
             param.grad = tensor
     if state.get("dropped") is not None:
-        window.dropped = accumulator._scalar(state["dropped"])
-    if accumulator._noise is not None:  # the restored micro-batches' own norms were not saved
-        accumulator._noise.mark_unusable()
-    window.restored(in_buffers=accumulator._buffers is not None, micro_batches=int(state["micro_batches"]))
+        window.dropped = as_scalar(state["dropped"], tracked.device, tally.dtype)
+    window.restored(in_buffers=buffers is not None, micro_batches=int(state["micro_batches"]))

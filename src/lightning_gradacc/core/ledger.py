@@ -20,8 +20,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from .scalars import Scalar
+
 Fold = Literal["sum", "max", "last"]
-Scalar = float | Tensor
 Deferred = Callable[[], Scalar]  # a "last" value computed only if it is read before the next window
 MAX_PENDING = 1024
 

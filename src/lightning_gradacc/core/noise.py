@@ -35,9 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .boundary import Flag, both, is_finite
-
-Scalar = float | Tensor
+from .scalars import Flag, Scalar, both, is_finite
 
 
 def _select(ok: Flag, new: Scalar, old: Scalar) -> Scalar:

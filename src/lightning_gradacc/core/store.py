@@ -8,15 +8,33 @@ back-propagated one); the window's sums are read by name like a read-only mappin
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from .window import WindowState
+from .buffers import GradBuffers
+from .gradient_scale import GradientScale
+from .parameters import TrackedParameters
+from .weighting import ItemCount
+from .window import Window, WindowState
 
-if TYPE_CHECKING:
-    from .accumulator import GradAccumulator
+
+class Recorder(Protocol):
+    """The accumulator's public recording API, which :meth:`WindowGradients.add` goes through."""
+
+    @property
+    def window(self) -> Window:
+        """The open window."""
+        ...
+
+    def weigh(self, items: Any) -> ItemCount:
+        """A micro-batch's item count, checked and weighed."""
+        ...
+
+    def record(self, items: ItemCount | Any = None, loss: Tensor | float | None = None) -> None:
+        """Count a micro-batch whose gradient is in ``.grad``."""
+        ...
 
 
 class WindowGradients(Mapping[str, Tensor]):
@@ -38,25 +56,33 @@ class WindowGradients(Mapping[str, Tensor]):
         (True, tensor([2., 2.]))
     """
 
-    def __init__(self, accumulator: GradAccumulator) -> None:
-        self._accumulator = accumulator
+    def __init__(
+        self,
+        recorder: Recorder,
+        tracked: TrackedParameters,
+        buffers: GradBuffers | None,
+        scale: GradientScale,
+    ) -> None:
+        self._recorder = recorder
+        self._tracked = tracked
+        self._buffers = buffers
+        self._scale = scale
 
     def _sums(self) -> dict[str, Tensor]:
-        accumulator = self._accumulator
-        window = accumulator.window
+        window = self._recorder.window
         if window.state is WindowState.EMPTY:
             return {}
-        named = accumulator._named
+        named = self._tracked.named
         if window.sums_in_buffers:
-            assert accumulator._buffers is not None
-            sums = accumulator._buffers.window()
+            assert self._buffers is not None
+            sums = self._buffers.window()
             return {name: tensor for (name, _), tensor in zip(named, sums, strict=True) if tensor is not None}
         return {name: param.grad for name, param in named if param.grad is not None}
 
     def __getitem__(self, name: str) -> Tensor:
         sums = self._sums()
         if name not in sums:
-            known = name in self._accumulator._index
+            known = name in self._tracked.index
             raise KeyError(
                 f"Parameter `{name}` has no gradient in the open window."
                 if known
@@ -90,13 +116,13 @@ class WindowGradients(Mapping[str, Tensor]):
             items: The micro-batch's item count, as for :meth:`GradAccumulator.record`.
             loss: Its loss, for the ``window_loss`` statistic.
         """
-        accumulator = self._accumulator
-        index = accumulator._index
+        recorder, tracked = self._recorder, self._tracked
+        index = tracked.index
         checked: list[tuple[int, Tensor]] = []
         for name, gradient in gradients.items():
             if name not in index:
                 raise KeyError(f"`{name}` is not a tracked parameter; the window is unchanged.")
-            param = accumulator._named[index[name]][1]
+            param = tracked.named[index[name]][1]
             if (
                 not isinstance(gradient, Tensor)
                 or gradient.shape != param.shape
@@ -114,19 +140,16 @@ class WindowGradients(Mapping[str, Tensor]):
             if gradient.is_sparse:
                 raise ValueError(f"The gradient given for `{name}` is sparse; the window is unchanged.")
             checked.append((index[name], gradient))
-        if (
-            any(param.grad is not None for _, param in accumulator._named)
-            and accumulator.window.sums_in_buffers
-        ):
+        if any(grad is not None for grad in tracked.grads()) and recorder.window.sums_in_buffers:
             raise RuntimeError(
                 "`.grad` holds a gradient not recorded yet: call `record()` after its backward first."
             )
-        count = accumulator.weigh(items)
-        gradient_scale = accumulator._gradient_scale()
+        count = recorder.weigh(items)
+        gradient_scale = self._scale.value()
         scale = count.weight * gradient_scale
         with torch.no_grad():
             for position, gradient in checked:
-                param = accumulator._named[position][1]
+                param = tracked.named[position][1]
                 contribution = gradient.to(param.device, non_blocking=True) * scale
                 if isinstance(contribution, Tensor) and contribution.dtype != param.dtype:
                     contribution = contribution.to(param.dtype)
@@ -134,7 +157,7 @@ class WindowGradients(Mapping[str, Tensor]):
         recorded = None if loss is None else loss * gradient_scale  # as a backward would
         if isinstance(recorded, Tensor):
             recorded = recorded.detach()
-        accumulator.record(count, recorded)
+        recorder.record(count, recorded)
 
     def remove(self, name: str) -> Tensor:
         """Take one parameter's gradient out of the open window and return it (e.g. to send it elsewhere).
@@ -142,13 +165,12 @@ class WindowGradients(Mapping[str, Tensor]):
         Raises:
             KeyError: the parameter has no gradient in the window.
         """
-        accumulator = self._accumulator
         removed = self[name]
-        position = accumulator._index[name]
-        if accumulator.window.sums_in_buffers:
-            assert accumulator._buffers is not None
+        position = self._tracked.index[name]
+        if self._recorder.window.sums_in_buffers:
+            assert self._buffers is not None
             removed = removed.clone()  # the buffer is reused by the next window
-            accumulator._buffers.forget(position)
+            self._buffers.forget(position)
         else:
-            accumulator._named[position][1].grad = None
+            self._tracked.named[position][1].grad = None
         return removed

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .scalars import as_scalar
+
 
 @dataclass
 class WindowTotals:
@@ -80,6 +82,13 @@ class WindowTally:
         self.checks: list[InvalidCount] = []  # counts given as tensors: checked at the boundary
         self.host_bad = 0.0  # invalid counts restored from a saved window
 
+    def note(self, problem: str | None, check: InvalidCount | None) -> None:
+        """Keep a count's known problem, or its device check, for the boundary to raise (on every rank)."""
+        if problem is not None:
+            self.problems.append(problem)
+        if check is not None:
+            self.checks.append(check)
+
     def add(
         self,
         items: float | Tensor | None,
@@ -121,9 +130,7 @@ class WindowTally:
                 self.host_loss_weight += loss_weight
 
     def _scalar(self, value: Tensor | float) -> Tensor:
-        if isinstance(value, Tensor):
-            return value.to(device=self.device, dtype=self.dtype, non_blocking=True).reshape(())
-        return torch.full((), float(value), dtype=self.dtype, device=self.device)
+        return as_scalar(value, self.device, self.dtype)
 
     def _vector(self, scalars: list[Tensor]) -> Tensor:
         """Stack scalars into one vector of the totals' dtype: one stack and one cast when they agree."""

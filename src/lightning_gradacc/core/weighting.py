@@ -11,18 +11,17 @@ every rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .scalars import Scalar, as_scalar
 from .tally import InvalidCount
 from .validation import check_item_count
 from .world import World
-
-Scalar = float | Tensor
 
 
 @dataclass(frozen=True)
@@ -57,19 +56,20 @@ class ItemWeighting:
 
     Args:
         weighted: Whether losses are weighted (``scaling="weighted"``); otherwise every weight is 1.
-        scalar: Makes a scalar on the accumulator's device and dtype.
         world: The ranks the first reference count is averaged over.
+        device: Where a count given as a tensor is weighed.
+        dtype: The dtype it is weighed in.
 
     Example:
-        >>> weighting = ItemWeighting(True, lambda v: torch.as_tensor(v, dtype=torch.float64), World(1))
+        >>> weighting = ItemWeighting(True, World(1), device=torch.device("cpu"), dtype=torch.float64)
         >>> weighting.weigh(8, label="a").weight, weighting.weigh(4, label="b").weight
         (1.0, 0.5)
     """
 
-    def __init__(self, weighted: bool, scalar: Callable[[Scalar], Tensor], world: World) -> None:
+    def __init__(self, weighted: bool, world: World, *, device: torch.device, dtype: torch.dtype) -> None:
         self.weighted = weighted
-        self._scalar = scalar
         self._world = world
+        self._device, self._dtype = device, dtype
         self.reference_count: float | Tensor | None = None
 
     def weigh(
@@ -123,6 +123,20 @@ class ItemWeighting:
             else:
                 self.reference_count = max(float(first), 1.0)
         return self.reference_count
+
+    def state_dict(self) -> dict[str, float | None]:
+        """The reference count (syncs if it is a device scalar: checkpoint time only)."""
+        reference = self.reference_count
+        return {"reference_count": float(reference) if reference is not None else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take the reference count a saved window was weighted against (``"weighted"`` only)."""
+        if self.weighted:
+            reference = state.get("reference_count", 1.0)
+            self.reference_count = float(reference) if reference is not None else None
+
+    def _scalar(self, value: Scalar) -> Tensor:
+        return as_scalar(value, self._device, self._dtype)
 
     def rebase(self, items: Scalar, micro_batches: int) -> None:
         """Make the window's mean count per micro-batch the next window's reference.

@@ -19,9 +19,8 @@ import enum
 import torch
 from torch import Tensor
 
+from .scalars import Scalar
 from .tally import WindowTally
-
-Scalar = float | Tensor
 
 
 class WindowState(enum.Enum):
