@@ -35,7 +35,7 @@ from .ledger import COUNTERS, Ledger
 from .measurement import Measurement, mean_loss
 from .memory import PeakMemory
 from .micro_batch import MicroBatchIntake
-from .noise import NoiseScale
+from .noise import NoiseScale, NoNoiseScale
 from .parameters import NamedParameters, TrackedParameters
 from .scalars import Flag, Scalar, as_scalar, both, either, negate
 from .stats import AccumulationStats
@@ -231,7 +231,7 @@ class GradAccumulator:
                 " parameters."
             )
         self._ledger = Ledger(self._ledger_dtype)
-        self._noise: NoiseScale | None = None
+        self._noise: NoiseScale | NoNoiseScale = NoNoiseScale()
         if settings.noise_scale:
             if tracked.sharded:
                 raise NotImplementedError(
@@ -266,8 +266,7 @@ class GradAccumulator:
         self._tracked.follow(parameters)
         if self._buffers is not None:
             self._buffers.retrack(self._tracked.named)
-        if self._noise is not None and self._noise.watching:
-            self._noise.watch(self.parameters)
+        self._noise.follow(self.parameters)
 
     @property
     def parameters(self) -> list[Tensor]:
@@ -279,11 +278,8 @@ class GradAccumulator:
     def _new_window(self) -> Window:
         if self._buffers is not None:
             self._buffers.discard()
-        if self._noise is not None:  # hooked only for the windows that are measured
-            if self._windows % self.settings.noise_scale_every == 0:
-                self._noise.watch(self.parameters)
-            else:
-                self._noise.remove_hooks()
+        # the noise scale hooks only the windows it measures
+        self._noise.open_window(self._windows % self.settings.noise_scale_every == 0, self.parameters)
         return Window(
             buffered=self._buffers is not None,
             loss_scale=self._scale.loss_scale,
@@ -408,8 +404,7 @@ class GradAccumulator:
         since the last record (``torch.autograd.grad`` for a gradient penalty) are then not taken for this
         micro-batch's.
         """
-        if self._noise is not None:
-            self._noise.begin_backward()
+        self._noise.begin_backward()
 
     def begin_micro_batch(
         self,
@@ -524,11 +519,9 @@ class GradAccumulator:
         to_buffers = window.new_gradients_to_buffers
         keep = self._intake.absorb(window, count) if to_buffers and self._intake is not None else None
         window.tally.add(count.items, loss, keep, count.weight if self._weighting.weighted else None)
-        if self._noise is not None:
-            if reevaluation:  # the same micro-batch again (LBFGS): measured once
-                self._noise.discard_pending()
-            else:
-                self._noise.record(count.items, count.weight, self._scale.value())
+        self._noise.record_micro_batch(
+            count.items, count.weight, self._scale.value, reevaluation=reevaluation
+        )
         window.record_micro_batch(in_buffers=to_buffers)
         if not reevaluation:
             self._total_micro_batches += 1
@@ -629,8 +622,6 @@ class GradAccumulator:
         comes along in it); device scalars otherwise.
         """
         settings, tracked = self.settings, self._tracked
-        if self._noise is not None and self._noise.stale(self.parameters):
-            self._noise.mark_unusable()  # a layer unfrozen inside the window had no hook
         measured = self._window_totals(window, read_statistics)
         grads, groups = sums.grouped, sums.shard_groups
         each = tracked.tensor_norms(grads, settings.norm_type, groups)
@@ -670,7 +661,7 @@ class GradAccumulator:
         """
         _, all_reduce = self._world.resolve()
         totals = window.tally.totals(with_loss=all_reduce is not None)
-        noise = self._noise.window_totals() if self._noise is not None else None
+        noise = self._noise.close_window(self.parameters)
         loss: tuple[Scalar, Scalar] | tuple[None, None] = (None, None)
         if all_reduce is not None:
             packed = torch.stack([self._scalar(value) for value in totals.values()])
@@ -768,21 +759,20 @@ class GradAccumulator:
         self, window: Window, measured: Measurement, decision: Decision, factor: Scalar
     ) -> dict[str, Scalar]:
         """The window's noise-scale estimates (``noise_scale=True``), folded into the averages."""
-        if self._noise is None or measured.noise is None:
-            return {}
         noise = measured.noise
+        if noise is None or not isinstance(self._noise, NoiseScale):
+            return {}
         parts: list[Scalar] = list(noise.unbind()) if isinstance(noise, Tensor) else list(noise)
         # |G_W|: the L2 norm of the final gradient before clipping (the p-norm's L2 twin for another p)
         scale: Any = abs(factor)  # a number or a device scalar
         norm = decision.norm if measured.l2_norm is None else measured.l2_norm * scale
-        # the window's mean gradient: "sum" is k times the mean over every rank's micro-batches
-        mean = norm / window.micro_batches if self.settings.scaling == "sum" else norm
-        found = self._noise.update(parts, mean * mean, items=measured.items)
-        return {
-            "noise_scale": found.noise_scale,
-            "grad_sq_norm_estimate": found.grad_sq_norm,
-            "trace_sigma_estimate": found.trace_sigma,
-        }
+        return self._noise.statistics(
+            parts,
+            norm,
+            micro_batches=window.micro_batches,
+            summed=self.settings.scaling == "sum",
+            items=measured.items,
+        )
 
     def _keeps_step(
         self, window: Window, live: Flag, has_items: Flag, bad_items: Scalar, sums: _Sums, reevaluation: bool
@@ -856,16 +846,14 @@ class GradAccumulator:
         """Discard the open window (its buffers, and its gradients by default); lifetime counters are kept."""
         self._window.close()
         self._window = self._new_window()
-        if self._noise is not None:
-            self._noise.discard()
+        self._noise.discard()
         self._pending = None
         if set_grads_to_none:
             self._tracked.set_grads_to_none()
 
     def remove_hooks(self) -> None:
         """Remove the gradient hook of ``noise_scale=True`` (call it before replacing the accumulator)."""
-        if self._noise is not None:
-            self._noise.remove_hooks()
+        self._noise.remove_hooks()
 
     # -------------------------------------------------------------------------------------- reporting
 
@@ -902,7 +890,7 @@ class GradAccumulator:
             "micro_batches_last_step": self._micro_batches_last_step,
             "peak_memory_bytes": self._peak_memory_bytes,
             **self._ledger.state_dict(),
-            **({"noise": self._noise.state_dict()} if self._noise is not None else {}),
+            **({"noise": self._noise.state_dict()} if isinstance(self._noise, NoiseScale) else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -922,7 +910,7 @@ class GradAccumulator:
             int(state.get("peak_memory_bytes", 0)),
         )
         noise = state.get("noise")
-        if self._noise is not None and noise is not None:
+        if isinstance(self._noise, NoiseScale) and noise is not None:
             self._noise.load_state_dict(noise)  # the averages go on where the saved run left them
         self._ledger.load_state_dict(state)  # all or nothing itself
         self._windows, self._total_micro_batches, self._micro_batches_last_step, self._peak_memory_bytes = (
@@ -973,5 +961,4 @@ class GradAccumulator:
             weighting=self._weighting,
             primary=primary,
         )
-        if self._noise is not None:  # the restored micro-batches' own norms were not saved
-            self._noise.mark_unusable()
+        self._noise.mark_unusable()  # the restored micro-batches' own norms were not saved

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -329,6 +329,69 @@ class NoiseScale:
         self._unusable = False
         self.begin_backward()
 
+    # ------------------------------------------------------------------- the accumulator's named points
+
+    def open_window(self, measured: bool, params: Sequence[Tensor]) -> None:
+        """A window opens: hook ``params`` if it is measured (one in ``noise_scale_every``), else unhook."""
+        if measured:
+            self.watch(params)
+        else:
+            self.remove_hooks()
+
+    def follow(self, params: Sequence[Tensor]) -> None:
+        """The tracked parameters changed: hook the new set if this window is measured."""
+        if self.watching:
+            self.watch(params)
+
+    def record_micro_batch(
+        self, items: Any, weight: Scalar, scale: Callable[[], Scalar], *, reevaluation: bool
+    ) -> None:
+        """:meth:`record`, or forget the backward's norms for a re-evaluated micro-batch (measured once).
+
+        ``scale`` gives the loss scale times the AMP scale (read only here: a kernel under AMP).
+        """
+        if reevaluation:
+            self.discard_pending()
+        else:
+            self.record(items, weight, scale())
+
+    def close_window(self, params: Sequence[Tensor]) -> Tensor | None:
+        """The window's :data:`TOTALS` at its boundary (see :meth:`window_totals`).
+
+        A window in which a parameter started to require a gradient (a layer unfrozen) is unusable: it had
+        no hook.
+        """
+        if self.stale(params):
+            self._unusable = True
+        return self.window_totals()
+
+    def statistics(
+        self,
+        totals: Sequence[Scalar],
+        norm: Scalar,
+        *,
+        micro_batches: int,
+        summed: bool,
+        items: Scalar,
+    ) -> dict[str, Scalar]:
+        """Fold a window into the averages; the statistics the accumulator logs.
+
+        Args:
+            totals: The window's :data:`TOTALS` over every rank.
+            norm: |G_W| before clipping: the L2 norm of the window's final gradient.
+            micro_batches: The window's micro-batches on this rank.
+            summed: Whether the final gradient is a sum (``scaling="sum"``): k times the mean over every
+                rank's micro-batches.
+            items: B, the window's items over ranks.
+        """
+        mean = norm / micro_batches if summed else norm
+        found = self.update(totals, mean * mean, items=items)
+        return {
+            "noise_scale": found.noise_scale,
+            "grad_sq_norm_estimate": found.grad_sq_norm,
+            "trace_sigma_estimate": found.trace_sigma,
+        }
+
     # -------------------------------------------------------------------------------- per window
 
     def update(self, totals: Sequence[Scalar], big_sq_norm: Scalar, *, items: Scalar) -> NoiseEstimate:
@@ -383,3 +446,36 @@ class NoiseScale:
         self.average_grad_sq_norm = float(state["average_grad_sq_norm"])
         self.average_trace_sigma = float(state["average_trace_sigma"])
         self.average_weight = float(state["average_weight"])
+
+
+class NoNoiseScale:
+    """The named points of :class:`NoiseScale` doing nothing (``noise_scale=False``): no hook, no cost."""
+
+    watching = False
+
+    def open_window(self, measured: bool, params: Sequence[Tensor]) -> None:
+        """Nothing to hook."""
+
+    def follow(self, params: Sequence[Tensor]) -> None:
+        """Nothing to hook."""
+
+    def begin_backward(self) -> None:
+        """Nothing to forget."""
+
+    def record_micro_batch(
+        self, items: Any, weight: Scalar, scale: Callable[[], Scalar], *, reevaluation: bool
+    ) -> None:
+        """Nothing to record."""
+
+    def close_window(self, params: Sequence[Tensor]) -> Tensor | None:
+        """No totals."""
+        return None
+
+    def mark_unusable(self) -> None:
+        """Nothing to mark."""
+
+    def discard(self) -> None:
+        """Nothing to forget."""
+
+    def remove_hooks(self) -> None:
+        """No hook to remove."""
