@@ -11,10 +11,9 @@ has the one for ``lightning.pytorch``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import pytorch_lightning as pl
@@ -27,6 +26,7 @@ from .core import GradAccumulator
 from .core.checkpoint import FORMAT_VERSION
 from .core.validation import AccumulationSettings
 from .core.weighting import ItemCount
+from .counters import check_item_count_fn, count_micro_batch
 from .namespaces import CALLBACK_IMPORTS, PYTORCH_LIGHTNING, LightningNamespace, namespace, namespace_of
 from .schedule import AccumulationPlan
 from .sharded_sync import REDUCTIONS, ShardedSync
@@ -53,60 +53,6 @@ SCHEDULER_CONFLICT = (
 )
 # Returns a number or a Tensor. Annotated Any: jsonargparse rejects a function returning `int` for a union.
 ItemCountFn = Callable[[Any], Any]
-
-
-def _inferred_batch_size(batch: Any, extract_batch_size: Callable[[Any], int]) -> int:
-    """The batch size Lightning infers: the length of the first tensor.
-
-    A fast path covers ``(inputs, targets)``, tensor and dict batches; Lightning's general walk (the fallback)
-    costs about 10 µs per micro-batch.
-    """
-    first = batch
-    if isinstance(batch, (list, tuple)) and batch:
-        first = batch[0]
-    elif isinstance(batch, dict) and batch:
-        first = next(iter(batch.values()))
-    if isinstance(first, Tensor) and first.dim() > 0:
-        return len(first)
-    return extract_batch_size(batch)
-
-
-def _tensors(batch: Any) -> Iterator[Tensor]:
-    """Every tensor in a batch: through mappings, lists, tuples (namedtuples too) and dataclasses."""
-    if isinstance(batch, Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from _tensors(value)
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for field in dataclasses.fields(batch):
-            yield from _tensors(getattr(batch, field.name))
-
-
-def unambiguous_batch_size(batch: Any) -> int:
-    """The batch size, when every tensor of the batch agrees on it; else ``ValueError`` saying why.
-
-    Lightning's inference takes the first tensor it finds, which silently gives 1 for a batch that starts
-    with a scalar (e.g. a namedtuple whose first field is a sequence length). ``scaling="weighted"`` weights
-    every micro-batch by this number, so a guess is not good enough.
-
-    Example:
-        >>> unambiguous_batch_size((torch.zeros(4, 3), torch.zeros(4)))
-        4
-    """
-    sizes: set[int] = set()
-    for tensor in _tensors(batch):
-        if tensor.dim() == 0:
-            raise ValueError("it holds a 0-dimensional tensor, which has no batch dimension")
-        sizes.add(len(tensor))
-    if not sizes:
-        raise ValueError(f"it holds no tensor ({type(batch).__name__})")
-    if len(sizes) > 1:
-        raise ValueError(f"its tensors disagree on the first dimension ({sorted(sizes)})")
-    return sizes.pop()
 
 
 def _should_accumulate(trainer: pl.Trainer) -> bool:
@@ -271,17 +217,7 @@ class GradientAccumulationLogic(_LogicBase):
             noise_scale_decay=noise_scale_decay,
             noise_scale_every=noise_scale_every,
         )
-        if item_count_fn is not None:
-            if not callable(item_count_fn):
-                raise TypeError(
-                    f"Expected argument `item_count_fn` to be callable (batch -> number),"
-                    f" but got {item_count_fn!r}."
-                )
-            if self.settings.scaling != "weighted":
-                raise ValueError(
-                    f"Argument `item_count_fn` is only used with `scaling='weighted'`, but got"
-                    f" scaling={scaling!r}. Set `scaling='weighted'` or remove `item_count_fn`."
-                )
+        check_item_count_fn(item_count_fn, weighted=self.settings.scaling == "weighted", scaling=scaling)
         self.item_count_fn = item_count_fn
         if not isinstance(log_stats, bool):
             raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
@@ -763,31 +699,18 @@ class GradientAccumulationLogic(_LogicBase):
                 # A window opening where Lightning does not zero the gradients (the batch before was None
                 # from the dataloader, which skips every hook): it must not start from the last one's.
                 accumulator.reset(set_grads_to_none=True)
-        self._pending_error = None
-        self._pending_items = None
-        if self.item_count_fn is not None:
-            self._pending_label = f"the item count of batch {batch_idx} (from `item_count_fn`)"
-            self._pending_items = self.item_count_fn(batch)
-            return
-        self._pending_label = f"the batch size of batch {batch_idx}"
-        if self.settings.scaling == "weighted":
-            try:
-                self._pending_items = unambiguous_batch_size(batch)
-            except ValueError as error:  # raised at the boundary, on every rank together
-                self._pending_error = (
-                    f"`scaling='weighted'` needs the item count of every batch, but the batch size of batch"
-                    f" {batch_idx} is ambiguous: {error}. Pass `item_count_fn=` (batch -> number of items)"
-                )
-            return
-        try:
-            self._pending_items = _inferred_batch_size(batch, self._api.extract_batch_size)
-        except Exception as error:
-            if not self._warned_no_items:
-                self._warned_no_items = True
-                self._api.rank_zero_warn(
-                    f"Could not infer the batch size of batch {batch_idx} ({error}); the `items_last_step`"
-                    " statistic will not count such batches. Scaling is unaffected."
-                )
+        weighted = self.settings.scaling == "weighted"
+        counted = count_micro_batch(
+            batch, batch_idx, self.item_count_fn, weighted, self._api.extract_batch_size
+        )
+        self._pending_items, self._pending_label, self._pending_error = (
+            counted.items,
+            counted.label,
+            counted.error,
+        )
+        if counted.warning is not None and not self._warned_no_items:
+            self._warned_no_items = True
+            self._api.rank_zero_warn(counted.warning)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
