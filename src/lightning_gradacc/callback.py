@@ -1,7 +1,7 @@
 """GradientAccumulationCallback: the Lightning shell around :class:`~lightning_gradacc.core.GradAccumulator`.
 
-It decides *when* (which hook, which micro-batch, which rank); the core computes *what*. See
-``docs/architecture.md`` section 3 for the Lightning internals relied on here.
+It decides *when* (which hook, which micro-batch, which rank); the core computes *what*. Every private
+attribute of Lightning it relies on is read or written in :mod:`~lightning_gradacc.lightning_internals`.
 
 The logic (:class:`GradientAccumulationLogic`) depends on neither Lightning namespace: it takes the classes
 it checks against from the Trainer's own namespace (:mod:`lightning_gradacc.namespaces`). This module's
@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from . import lightning_internals as internals
 from .core import GradAccumulator
 from .core.checkpoint import FORMAT_VERSION
 from .core.validation import AccumulationSettings
@@ -53,11 +54,6 @@ SCHEDULER_CONFLICT = (
 )
 # Returns a number or a Tensor. Annotated Any: jsonargparse rejects a function returning `int` for a union.
 ItemCountFn = Callable[[Any], Any]
-
-
-def _should_accumulate(trainer: pl.Trainer) -> bool:
-    """Whether the current micro-batch does not end a window (Lightning's own, private, test)."""
-    return bool(trainer.fit_loop._should_accumulate())
 
 
 def _optimized_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, Tensor]]:
@@ -247,8 +243,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._recorded_in_open_batch = False  # this batch's micro-batch is recorded, the batch not ended
         self._finalized_in_batch = False  # the window was finalized in this batch (LBFGS re-evaluates)
         self._stepped = False
-        self._clipping_paused: Any = None  # the precision plugin whose clipping is paused for this step
-        self._own_clip_gradients: Any = None  # an instance attribute `clip_gradients` it had before
+        self._paused_clipping: internals.PausedClipping | None = None  # Lightning's, until the batch ends
         self._skips_warned = 0
         self._skipped_seen = 0
         self._warned_no_items = False
@@ -371,7 +366,7 @@ class GradientAccumulationLogic(_LogicBase):
                 f" (max_grad_norm={self.settings.max_grad_norm}, clip_value={self.settings.clip_value}) are"
                 " set: the gradient is clipped twice. Remove `gradient_clip_val` from the Trainer."
             )
-        self._scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._scaler = internals.grad_scaler(trainer)
         if self._scaler is not None and self.settings.overflow == "skip_micro_batch":
             raise RuntimeError(
                 "`overflow='skip_micro_batch'` cannot be used with a GradScaler (`precision='16-mixed'`): the"
@@ -431,16 +426,14 @@ class GradientAccumulationLogic(_LogicBase):
                 " `ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)` with `fully_shard` in"
                 " `configure_model`, or remove the callback."
             )
-        if isinstance(strategy, api.fsdp_strategy) and not getattr(strategy, "kwargs", {}).get(
-            "use_orig_params", True
-        ):
+        if isinstance(strategy, api.fsdp_strategy) and not internals.fsdp_uses_orig_params(strategy):
             raise RuntimeError(
                 "`GradientAccumulationCallback` needs `FSDPStrategy(use_orig_params=True)` (Lightning's"
                 " default), but `use_orig_params=False` was passed: the optimizer then holds flat parameters"
                 " that mix many tensors, which neither per-parameter clipping nor the statistics can tell"
                 " apart."
             )
-        tensor_parallel = getattr(strategy, "_tensor_parallel_size", 1)
+        tensor_parallel = internals.tensor_parallel_size(strategy)
         if isinstance(strategy, self._api.model_parallel_strategy) and tensor_parallel != 1:
             raise RuntimeError(
                 f"`GradientAccumulationCallback` supports `ModelParallelStrategy` with data parallelism only"
@@ -461,9 +454,8 @@ class GradientAccumulationLogic(_LogicBase):
     def _resolve_target_early(self, trainer: pl.Trainer) -> None:
         """Resolve K from the target batch size now, so that `configure_optimizers` sees it."""
         try:
-            trainer.fit_loop.setup_data()  # what `trainer.estimated_stepping_batches` does; loaded once
+            internals.load_train_data(trainer)  # what `trainer.estimated_stepping_batches` does
         except Exception as error:  # e.g. data built in LightningModule.setup, which runs after this hook
-            trainer.fit_loop._combined_loader = None  # a half-built loader would be kept: load it again later
             self._api.rank_zero_warn(
                 f"`target_batch_size={self.plan.target_batch_size}` could not read the train dataloader in"
                 f" `setup` ({type(error).__name__}: {error}); K is resolved when training starts instead, so"
@@ -529,8 +521,8 @@ class GradientAccumulationLogic(_LogicBase):
         self._ddp_without_sync = ddp if per_micro_batch and trainer.world_size > 1 else None
         self._build_accumulator(trainer, pl_module, reduce_gradients=self._ddp_without_sync is not None)
         if self._ddp_without_sync is not None:
-            self._ddp_without_sync.require_backward_grad_sync = False  # `no_sync()` for the whole fit
-            if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+            internals.set_ddp_backward_sync(self._ddp_without_sync, False)  # `no_sync()` for the whole fit
+            if internals.ddp_comm_hook(trainer.strategy) is not None:
                 self._api.rank_zero_warn(
                     "`DDPStrategy(ddp_comm_hook=...)` does not run with `clip_mode='micro_batch'` or"
                     " `overflow='skip_micro_batch'`: no backward syncs through DDP there (each micro-batch"
@@ -692,7 +684,7 @@ class GradientAccumulationLogic(_LogicBase):
         if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
             self._follow_param_groups(trainer, pl_module)  # window measures the new set from its start
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
-        if not trainer.fit_loop._skip_backward:
+        if not internals.backward_skipped(trainer):
             if not accumulator.window.empty and lightning_zeroes:
                 self._discard_window(trainer, f"Lightning starts a new window at batch {batch_idx}")
             elif accumulator.window.empty and not lightning_zeroes:
@@ -729,7 +721,7 @@ class GradientAccumulationLogic(_LogicBase):
         accumulator.begin_backward()  # noise_scale: only this backward's gradients are this micro-batch's
         synchronizing = self._sync.defers or self._flush_before_last_backward or self._scaler is not None
         # whether this backward ends the window (asked only where it matters: a private Lightning call)
-        self._last_backward = last = synchronizing and not _should_accumulate(trainer)
+        self._last_backward = last = synchronizing and not internals.should_accumulate(trainer)
         self._sync.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
         if last and self._flush_before_last_backward:
             accumulator.flush_to_grad()  # DDP's one all-reduce then carries the whole window
@@ -776,24 +768,19 @@ class GradientAccumulationLogic(_LogicBase):
         )
         if steps_itself:
             assert self._scaler is not None
-            if getattr(self._scaler, "_scale", True) is None:
-                # no loss scaled in this fit yet (a window restored from a checkpoint, the rest `None`):
-                # the scale it loaded waits in `_init_scale` until the first `scale()`
-                self._scaler._lazy_init_scale_growth_tracker(torch.device(self._scaler._device))
+            internals.init_scaler_scale(self._scaler)  # none yet if no loss was scaled in this fit (a resume)
             accumulator.flush_to_grad()  # the scaler unscales and checks `.grad`
             self._scaler.unscale_(optimizer)
         # Logged at this batch's end: the statistics then come along in the step's one sync.
-        logs = self.log_stats and trainer._logger_connector.should_update_logs
+        logs = self.log_stats and internals.logs_this_step(trainer)
         stepped = accumulator.finalize(reevaluation=self._finalized_in_batch, read_statistics=logs)
         self._finalized_in_batch = self._stepped = True
         if self._ddp_without_sync is not None:  # buffers sync at the next forward, as after a synced pass
-            self._ddp_without_sync.require_forward_param_sync = True
+            internals.sync_ddp_buffers_at_next_forward(self._ddp_without_sync)
         if steps_itself:
             assert self._scaler is not None
             if stepped:  # Lightning's clipping (and the module's hook), before the step it would miss
-                trainer.precision_plugin._clip_gradients(
-                    pl_module, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
-                )
+                internals.clip_as_lightning(trainer, pl_module, optimizer)
             self._scaler.step(optimizer)
             self._scaler.update()
         if stepped and not steps_itself:
@@ -806,19 +793,9 @@ class GradientAccumulationLogic(_LogicBase):
         # Lightning clips after this hook (`gradient_clip_val`, or `configure_gradient_clipping`): by value
         # it crashes on a list with no gradient at all, and a window the callback stepped itself
         # was clipped before its step. Both go through the precision plugin, paused until the batch ends.
-        self._pause_clipping(trainer)
-
-    def _pause_clipping(self, trainer: pl.Trainer) -> None:
-        plugin = trainer.precision_plugin
-
-        def no_clipping(*args: Any, **kwargs: Any) -> None:
-            return None
-
-        if self._clipping_paused is plugin:
-            return
-        self._own_clip_gradients = plugin.__dict__.get("clip_gradients")
-        plugin.clip_gradients = no_clipping  # type: ignore[method-assign]  # an instance attribute
-        self._clipping_paused = plugin
+        paused = self._paused_clipping
+        if paused is None or paused.plugin is not trainer.precision_plugin:
+            self._paused_clipping = internals.pause_clipping(trainer.precision_plugin)
 
     def _warn_skip(self, trainer: pl.Trainer, skipped: int) -> None:
         if skipped >= 2 * self._skips_warned or skipped == 1:  # 1, 2, 4, 8, ...: rate-limited
@@ -837,7 +814,7 @@ class GradientAccumulationLogic(_LogicBase):
         if not self._stepped:
             return
         self._resume_clipping()
-        if self.log_stats and trainer._logger_connector.should_update_logs:
+        if self.log_stats and internals.logs_this_step(trainer):
             # into `callback_metrics` without a logger too: `ddp_spawn` returns those to the launcher
             logger = bool(trainer.loggers)
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1, logger=logger)
@@ -853,14 +830,9 @@ class GradientAccumulationLogic(_LogicBase):
         return logged
 
     def _resume_clipping(self) -> None:
-        plugin, self._clipping_paused = self._clipping_paused, None
-        if plugin is None:
-            return
-        if self._own_clip_gradients is not None:
-            plugin.clip_gradients = self._own_clip_gradients
-            self._own_clip_gradients = None
-        else:
-            del plugin.clip_gradients  # the class's method again
+        paused, self._paused_clipping = self._paused_clipping, None
+        if paused is not None:
+            paused.resume()
 
     @override
     def on_exception(
@@ -892,7 +864,7 @@ class GradientAccumulationLogic(_LogicBase):
         """DDP's own gradient sync again, after a fit that turned it off (per-micro-batch modes)."""
         ddp, self._ddp_without_sync = self._ddp_without_sync, None
         if ddp is not None:
-            ddp.require_backward_grad_sync = True
+            internals.set_ddp_backward_sync(ddp, True)
 
     # ------------------------------------------------------------------------------------- checkpoint
 
