@@ -22,13 +22,14 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from . import compatibility as compat
 from . import lightning_internals as internals
 from .core import GradAccumulator
 from .core.checkpoint import FORMAT_VERSION
 from .core.validation import AccumulationSettings
 from .core.weighting import ItemCount
 from .counters import check_item_count_fn, count_micro_batch
-from .namespaces import CALLBACK_IMPORTS, PYTORCH_LIGHTNING, LightningNamespace, namespace, namespace_of
+from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
 from .schedule import AccumulationPlan
 from .sharded_sync import REDUCTIONS, ShardedSync
 from .stats import AccumulationStats
@@ -47,10 +48,6 @@ LOGGED_STATISTICS = tuple(
     name
     for name in (*AccumulationStats.__dataclass_fields__, "steps_taken")
     if name != "open_window_micro_batches" and name not in NOISE_STATISTICS
-)
-SCHEDULER_CONFLICT = (
-    "You are using Lightning's `GradientAccumulationScheduler` and `GradientAccumulationCallback`. Remove the"
-    " scheduler and pass its schedule as `GradientAccumulationCallback(accumulation_steps={epoch: K})`."
 )
 # Returns a number or a Tensor. Annotated Any: jsonargparse rejects a function returning `int` for a union.
 ItemCountFn = Callable[[Any], Any]
@@ -301,7 +298,7 @@ class GradientAccumulationLogic(_LogicBase):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._check_namespace(trainer)
+        compat.check_namespace(trainer, self.namespace)
         self._stage = stage
         if stage != "fit":
             return
@@ -322,63 +319,15 @@ class GradientAccumulationLogic(_LogicBase):
             )
         self._run_plan = self.plan.for_run(trainer_k)
         largest = self._run_plan.largest_k()
-        if (largest is None or largest > 1) and self._api.is_param_in_hook_signature(
-            pl_module.training_step, "dataloader_iter", explicit=True
-        ):
-            raise RuntimeError(
-                "`training_step(self, dataloader_iter)` cannot accumulate gradients: Lightning then zeroes"
-                " them with a stale batch index, in the middle of a window (its built-in accumulation is"
-                " wrong there too). Use a `training_step(self, batch, batch_idx)` or K=1"
-                f" ({self._describe_plan()})."
-            )
+        compat.check_training_step(self._api, pl_module, largest, self._describe_plan())
         if self.plan.target_batch_size is not None:
             self._resolve_target_early(trainer)
         self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
         self._go_first(trainer)
-        if (largest is None or largest > 1) and (
-            self._api.is_overridden("optimizer_step", pl_module)
-            or self._api.is_overridden("optimizer_zero_grad", pl_module)
-        ):
-            self._api.rank_zero_warn(
-                "You override `LightningModule.optimizer_step` or `optimizer_zero_grad` and accumulate"
-                " gradients: these hooks are called once per optimizer step, not on every batch. The"
-                " callback normalizes the gradient in `on_before_optimizer_step`, which"
-                " `optimizer.step(closure)` runs; an override that steps without the closure, or zeroes"
-                " gradients elsewhere, breaks the window."
-            )
-        algorithm = trainer.gradient_clip_algorithm
-        if (
-            trainer.gradient_clip_val
-            and isinstance(trainer.strategy, self._api.fsdp_strategy)
-            and str(getattr(algorithm, "value", algorithm) or "norm") == "norm"
-        ):
-            raise RuntimeError(
-                f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})` clips by norm, which Lightning's"
-                " `FSDPStrategy` refuses at the first step (`FSDPPrecision.clip_grad_by_norm`). Remove it and"
-                f" pass `GradientAccumulationCallback(max_grad_norm={trainer.gradient_clip_val})`: it clips"
-                " the sharded gradients by their whole norm, once per optimizer step."
-            )
-        if trainer.gradient_clip_val and (
-            self.settings.max_grad_norm is not None or self.settings.clip_value is not None
-        ):
-            self._api.rank_zero_warn(
-                f"Both `Trainer(gradient_clip_val={trainer.gradient_clip_val})` and the callback's clipping"
-                f" (max_grad_norm={self.settings.max_grad_norm}, clip_value={self.settings.clip_value}) are"
-                " set: the gradient is clipped twice. Remove `gradient_clip_val` from the Trainer."
-            )
+        compat.warn_step_hooks_overridden(self._api, pl_module, largest)
+        compat.check_gradient_clip_val(self._api, trainer, self.settings)
         self._scaler = internals.grad_scaler(trainer)
-        if self._scaler is not None and self.settings.overflow == "skip_micro_batch":
-            raise RuntimeError(
-                "`overflow='skip_micro_batch'` cannot be used with a GradScaler (`precision='16-mixed'`): the"
-                " scaler must see every overflow to lower its scale. Use `overflow='skip'` (the scaler skips"
-                " the window) or bf16."
-            )
-        if self._scaler is not None and self.settings.overflow != "skip":
-            self._api.rank_zero_warn(
-                f"`overflow={self.settings.overflow!r}` cannot take effect under a GradScaler"
-                " (`precision='16-mixed'`): the scaler skips steps with non-finite gradients and lowers its"
-                " scale; those overflows are counted in `non_finite_windows` and `skipped_steps`."
-            )
+        compat.check_grad_scaler(self._api, self._scaler, self.settings.overflow)
 
     def _describe_plan(self) -> str:
         if self.plan.target_batch_size is not None:
@@ -388,68 +337,11 @@ class GradientAccumulationLogic(_LogicBase):
             return f"K={k} adopted from `Trainer(accumulate_grad_batches={k})`"
         return f"accumulation_steps={self.plan.schedule or self.plan.fixed}"
 
-    def _check_namespace(self, trainer: pl.Trainer) -> None:
-        trainer_namespace = namespace_of(trainer)
-        if trainer_namespace is not None and trainer_namespace != self.namespace:
-            raise RuntimeError(
-                f"This `GradientAccumulationCallback` is for `{self.namespace}`, but the Trainer is a"
-                f" `{trainer_namespace}` Trainer: the two are separate class trees, so Lightning would run"
-                f" the callback without treating it as one. Use `{CALLBACK_IMPORTS[trainer_namespace]}`."
-            )
-
     def _check_compatibility(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not pl_module.automatic_optimization:
-            raise RuntimeError(
-                "`GradientAccumulationCallback` works with automatic optimization only. With"
-                " `automatic_optimization=False`, use `lightning_gradacc.GradAccumulator` in your"
-                " `training_step` (it does the same math) and remove the callback."
-            )
-        strategy = trainer.strategy
-        if strategy.handles_gradient_accumulation or "deepspeed" in type(strategy).__name__.lower():
-            raise RuntimeError(
-                f"`{type(strategy).__name__}` performs gradient accumulation itself (its config's"
-                " `gradient_accumulation_steps`). Remove `GradientAccumulationCallback` and configure"
-                " accumulation there."
-            )
-        api = self._api
-        supported = (
-            api.single_device_strategy,
-            api.ddp_strategy,
-            api.fsdp_strategy,
-            api.model_parallel_strategy,
-        )
-        if not isinstance(strategy, supported):
-            raise RuntimeError(
-                "`GradientAccumulationCallback` supports single-device, DDP, FSDP and ModelParallel (FSDP2)"
-                f" strategies, but the Trainer uses `{type(strategy).__name__}`, whose gradients it cannot"
-                " normalize and clip yet. Use `strategy='ddp'` or `strategy='fsdp'`, or"
-                " `ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)` with `fully_shard` in"
-                " `configure_model`, or remove the callback."
-            )
-        if isinstance(strategy, api.fsdp_strategy) and not internals.fsdp_uses_orig_params(strategy):
-            raise RuntimeError(
-                "`GradientAccumulationCallback` needs `FSDPStrategy(use_orig_params=True)` (Lightning's"
-                " default), but `use_orig_params=False` was passed: the optimizer then holds flat parameters"
-                " that mix many tensors, which neither per-parameter clipping nor the statistics can tell"
-                " apart."
-            )
-        tensor_parallel = internals.tensor_parallel_size(strategy)
-        if isinstance(strategy, self._api.model_parallel_strategy) and tensor_parallel != 1:
-            raise RuntimeError(
-                f"`GradientAccumulationCallback` supports `ModelParallelStrategy` with data parallelism only"
-                f" (FSDP2), but `tensor_parallel_size={tensor_parallel}`: ranks of a tensor-parallel group"
-                " see the same data, which item counts summed over every rank would count twice. Use"
-                f" `ModelParallelStrategy(data_parallel_size={trainer.world_size}, tensor_parallel_size=1)`."
-            )
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, self._api.gradient_accumulation_scheduler) or (
-                type(callback).__name__ == "GradientAccumulationScheduler"  # e.g. of the other namespace
-            ):
-                raise RuntimeError(SCHEDULER_CONFLICT)
-            if isinstance(callback, GradientAccumulationLogic) and callback is not self:
-                raise RuntimeError(
-                    "Two `GradientAccumulationCallback` instances were passed to the Trainer. Keep one."
-                )
+        compat.check_automatic_optimization(pl_module)
+        compat.check_strategy(self._api, trainer)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        compat.check_callbacks(self._api, callbacks, self, GradientAccumulationLogic)
 
     def _resolve_target_early(self, trainer: pl.Trainer) -> None:
         """Resolve K from the target batch size now, so that `configure_optimizers` sees it."""
@@ -480,41 +372,17 @@ class GradientAccumulationLogic(_LogicBase):
                     f" K={resolved_in_setup}."
                 )
         self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
-        self._check_optimizers(trainer)
+        compat.check_optimizers(
+            trainer, self._run_plan.largest_k(), self._describe_plan(), self.estimated_stepping_batches
+        )
         assert trainer.model is not None
         try:
             self._sync = sync = ShardedSync(trainer.model, reduction=self.sharded_reduction)
         except ValueError as error:
             raise RuntimeError(str(error)) from None
-        per_micro_batch = (
-            self.settings.overflow == "skip_micro_batch" or self.settings.clip_mode == "micro_batch"
-        )
-        if sync.defers and per_micro_batch:
-            raise RuntimeError(
-                "`overflow='skip_micro_batch'` and `clip_mode='micro_batch'` check each micro-batch's reduced"
-                f" gradient, but with `sharded_reduction={self.sharded_reduction!r}` FSDP holds it unsynced"
-                " until the window's last backward. Use `sharded_reduction='every_micro_batch'`."
-            )
-        if sync.defers and self.settings.accumulation_dtype is not None:
-            raise RuntimeError(
-                f"`accumulation_dtype={self.settings.accumulation_dtype}` cannot take effect with"
-                f" `sharded_reduction={self.sharded_reduction!r}`: FSDP then accumulates the window's"
-                " gradients inside itself and `.grad` receives the window only at its last backward, so the"
-                " buffers would never see a micro-batch. Use `sharded_reduction='every_micro_batch'` with"
-                " buffers, or (FSDP2) accumulate in float32 inside FSDP with"
-                " `fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))`."
-            )
-        if self.sharded_reduction != "every_micro_batch" and not sync.defers:
-            if sync.sharded:  # "replicas_at_window_end" on FSDP2 without a replicate dimension
-                reason = (
-                    "no module is sharded over an HSDP mesh (a replicate and a shard dimension), so there is"
-                    " no all-reduce across replicas to defer. Use 'window_end' to defer the reduce-scatter."
-                )
-            else:
-                reason = "no module is sharded by FSDP (DDP already reduces once per window)."
-            self._api.rank_zero_warn(
-                f"`sharded_reduction={self.sharded_reduction!r}` has no effect: {reason}"
-            )
+        settings = self.settings
+        per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
+        compat.check_sharded_reduction(self._api, sync, self.sharded_reduction, settings, per_micro_batch)
         # DDP with a per-micro-batch mode: no backward of the window syncs, so that its last micro-batch too
         # is checked and clipped on its own; the core averages the window over the ranks at its end instead.
         ddp = trainer.model if isinstance(trainer.model, DistributedDataParallel) else None
@@ -522,13 +390,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._build_accumulator(trainer, pl_module, reduce_gradients=self._ddp_without_sync is not None)
         if self._ddp_without_sync is not None:
             internals.set_ddp_backward_sync(self._ddp_without_sync, False)  # `no_sync()` for the whole fit
-            if internals.ddp_comm_hook(trainer.strategy) is not None:
-                self._api.rank_zero_warn(
-                    "`DDPStrategy(ddp_comm_hook=...)` does not run with `clip_mode='micro_batch'` or"
-                    " `overflow='skip_micro_batch'`: no backward syncs through DDP there (each micro-batch"
-                    " must be checked on its own first); the window is averaged over the ranks with one"
-                    " plain all-reduce of the accumulation buffers at its end."
-                )
+            compat.warn_ddp_comm_hook(self._api, trainer.strategy)
         # The window's last backward syncs: before it the buffers go into `.grad`, so that DDP's one
         # all-reduce carries the whole window (as without buffers).
         self._flush_before_last_backward = (
@@ -541,32 +403,6 @@ class GradientAccumulationLogic(_LogicBase):
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         if callbacks and callbacks[0] is not self:  # a new list: Lightning may be iterating over the old one
             trainer.callbacks = [self, *(c for c in callbacks if c is not self)]  # type: ignore[attr-defined]
-
-    def _check_optimizers(self, trainer: pl.Trainer) -> None:
-        assert self._run_plan is not None
-        if (self._run_plan.largest_k() or 1) > 1 and any(
-            isinstance(optimizer, torch.optim.LBFGS) for optimizer in trainer.optimizers
-        ):
-            raise RuntimeError(
-                "`torch.optim.LBFGS` evaluates its closure several times per step, and each evaluation"
-                " recomputes only the last micro-batch, so gradients cannot be accumulated over micro-batches"
-                f" ({self._describe_plan()}). Use K=1 with LBFGS."
-            )
-        if trainer.global_step:  # a resumed scheduler carries the total it was built with
-            return
-        for config in trainer.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if config.interval != "step" or not isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
-                continue
-            needed = self.estimated_stepping_batches(trainer)
-            if needed != float("inf") and needed // config.frequency > scheduler.total_steps:
-                raise RuntimeError(
-                    f"`OneCycleLR(total_steps={scheduler.total_steps})` would fail at step"
-                    f" {scheduler.total_steps + 1}: this fit takes {int(needed)} optimizer steps with"
-                    f" {self._describe_plan()}, and `trainer.estimated_stepping_batches` does not follow an"
-                    " epoch schedule. Build it with `total_steps=estimated_stepping_batches(self.trainer)`"
-                    " (`from lightning_gradacc import estimated_stepping_batches`)."
-                )
 
     def _resolve_target(self, trainer: pl.Trainer) -> None:
         assert self._run_plan is not None
@@ -596,11 +432,7 @@ class GradientAccumulationLogic(_LogicBase):
         previous = self._accumulator
         if previous is not None:
             previous.remove_hooks()  # its noise-scale hook must not keep measuring
-        if self.settings.noise_scale and k * world_size < 2:
-            self._api.rank_zero_warn(
-                f"`noise_scale=True` needs at least 2 micro-batches per window, but K={k} on {world_size}"
-                " rank(s) gives 1: no estimate is made while K stays at 1."
-            )
+        compat.warn_noise_scale_unmeasurable(self._api, self.settings, k, world_size)
         model = trainer.model
         accumulator = GradAccumulator(  # all-reduces on the default group, as Lightning's DDP does, but
             _optimized_parameters(trainer, pl_module),  # without `strategy.reduce`'s barrier before each
@@ -753,13 +585,8 @@ class GradientAccumulationLogic(_LogicBase):
         self._follow_param_groups(trainer, pl_module)
         # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned
         # None: the window's earlier micro-batches would be dropped. The callback steps it itself.
-        if self._sync.defers and not self._backward_in_batch and not accumulator.window.empty:
-            raise RuntimeError(
-                f"With `sharded_reduction={self.sharded_reduction!r}` the window's gradients are reduced by"
-                " its last backward, but the batch that ends this window ran none (`training_step` returned"
-                " None): the window cannot be completed. Use `sharded_reduction='every_micro_batch'` with"
-                " such data."
-            )
+        if not self._backward_in_batch and not accumulator.window.empty:
+            compat.check_window_can_end(self._sync, self.sharded_reduction)
         steps_itself = (
             self._scaler is not None
             and not self._backward_in_batch
