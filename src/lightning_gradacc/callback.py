@@ -12,7 +12,6 @@ has the one for ``lightning.pytorch``.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -29,6 +28,7 @@ from .core.checkpoint import FORMAT_VERSION
 from .core.validation import AccumulationSettings
 from .core.weighting import ItemCount
 from .counters import check_item_count_fn, count_micro_batch
+from .k_owner import KOwner
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
 from .schedule import AccumulationPlan
 from .sharded_sync import REDUCTIONS, ShardedSync
@@ -190,7 +190,7 @@ class GradientAccumulationLogic(_LogicBase):
         noise_scale_decay: float = 0.95,
         noise_scale_every: int = 1,
     ) -> None:
-        self.plan = AccumulationPlan(accumulation_steps, target_batch_size)
+        self._k = KOwner(AccumulationPlan(accumulation_steps, target_batch_size))
         if sharded_reduction not in REDUCTIONS:
             raise ValueError(
                 f"Expected argument `sharded_reduction` to be one of {list(REDUCTIONS)}, but got"
@@ -216,13 +216,10 @@ class GradientAccumulationLogic(_LogicBase):
             raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
         self.log_stats = log_stats
 
-        self._run_plan: AccumulationPlan | None = None  # the plan of the current fit
         self._stage: str | None = None  # the stage of the last `setup`
         self._accumulator: GradAccumulator | None = None
         self._loaded_state: dict[str, Any] | None = None
         self._loaded_window: dict[str, Any] | None = None
-        self._applied_k: int | None = None  # the value this callback last wrote to `_applied_to`
-        self._applied_to: weakref.ref[pl.Trainer] | None = None
         self._scaler: torch.amp.GradScaler | None = None
         self._signature: tuple[tuple[int, int], ...] = ()
         self._sync = ShardedSync(torch.nn.Module())  # when FSDP reduces: set at train start
@@ -248,19 +245,22 @@ class GradientAccumulationLogic(_LogicBase):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_applied_to"] = None  # a weak reference does not pickle (ddp_spawn pickles the callbacks)
         state["_ddp_without_sync"] = None  # the model of a fit, not the callback's
         return state
 
     # ------------------------------------------------------------------------------------ reporting
 
     @property
+    def plan(self) -> AccumulationPlan:
+        """How K is chosen, as configured."""
+        return self._k.plan
+
+    @property
     def stats(self) -> AccumulationStats:
         """A frozen snapshot of the statistics (see :class:`~lightning_gradacc.AccumulationStats`)."""
         if self._accumulator is not None:
             return self._accumulator.stats
-        plan = self._run_plan or self.plan
-        return AccumulationStats(accumulation_steps=self._applied_k or plan.for_epoch(0) or 1)
+        return AccumulationStats(accumulation_steps=self._k.accumulation_steps())
 
     def summary(self) -> str:
         """The statistics of the last fit as the table ``lightning-gradacc fit`` prints (for scripts).
@@ -282,13 +282,7 @@ class GradientAccumulationLogic(_LogicBase):
 
         See the module-level :func:`estimated_stepping_batches`, which finds the callback for you.
         """
-        lightning_estimate = trainer.estimated_stepping_batches  # loads the train dataloader if needed
-        plan = self._run_plan or self.plan
-        batches = trainer.num_training_batches
-        if plan.schedule is None or trainer.max_epochs in (None, -1) or batches == float("inf"):
-            return lightning_estimate
-        assert trainer.max_epochs is not None
-        return plan.stepping_batches(int(batches), trainer.max_epochs, trainer.max_steps)
+        return self._k.stepping_batches(trainer)
 
     # ------------------------------------------------------------------------------------- set-up
 
@@ -306,36 +300,17 @@ class GradientAccumulationLogic(_LogicBase):
         if self._accumulator is not None and not self._accumulator.window.empty:
             # the last fit raised inside a window: it can never be stepped, and any K may follow
             self._accumulator.reset(set_grads_to_none=True)
-        trainer_k = trainer.accumulate_grad_batches
-        applied_here = (
-            self._applied_k if self._applied_to is not None and self._applied_to() is trainer else None
-        )
-        if self.plan.configured and trainer_k not in (1, applied_here, self.plan.fixed):
-            raise ValueError(
-                f"You have set `Trainer(accumulate_grad_batches={trainer_k})` and"
-                f" `GradientAccumulationCallback({self._describe_plan()})`. The callback owns the"
-                " accumulation factor: remove `accumulate_grad_batches` from the Trainer or set the same"
-                " value."
-            )
-        self._run_plan = self.plan.for_run(trainer_k)
-        largest = self._run_plan.largest_k()
-        compat.check_training_step(self._api, pl_module, largest, self._describe_plan())
-        if self.plan.target_batch_size is not None:
-            self._resolve_target_early(trainer)
-        self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
+        self._k.start_run(trainer)
+        api, largest = self._api, self._k.largest_k()
+        compat.check_training_step(api, pl_module, largest, self._k.describe())
+        if self.plan.target_batch_size is not None:  # now, so that `configure_optimizers` sees K
+            self._k.resolve_target_early(trainer, api.rank_zero_warn)
+        self._apply_k(trainer)
         self._go_first(trainer)
-        compat.warn_step_hooks_overridden(self._api, pl_module, largest)
-        compat.check_gradient_clip_val(self._api, trainer, self.settings)
+        compat.warn_step_hooks_overridden(api, pl_module, largest)
+        compat.check_gradient_clip_val(api, trainer, self.settings)
         self._scaler = internals.grad_scaler(trainer)
-        compat.check_grad_scaler(self._api, self._scaler, self.settings.overflow)
-
-    def _describe_plan(self) -> str:
-        if self.plan.target_batch_size is not None:
-            return f"target_batch_size={self.plan.target_batch_size}"
-        if not self.plan.configured and self._run_plan is not None:
-            k = self._run_plan.fixed
-            return f"K={k} adopted from `Trainer(accumulate_grad_batches={k})`"
-        return f"accumulation_steps={self.plan.schedule or self.plan.fixed}"
+        compat.check_grad_scaler(api, self._scaler, self.settings.overflow)
 
     def _check_compatibility(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         compat.check_automatic_optimization(pl_module)
@@ -343,37 +318,12 @@ class GradientAccumulationLogic(_LogicBase):
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         compat.check_callbacks(self._api, callbacks, self, GradientAccumulationLogic)
 
-    def _resolve_target_early(self, trainer: pl.Trainer) -> None:
-        """Resolve K from the target batch size now, so that `configure_optimizers` sees it."""
-        try:
-            internals.load_train_data(trainer)  # what `trainer.estimated_stepping_batches` does
-        except Exception as error:  # e.g. data built in LightningModule.setup, which runs after this hook
-            self._api.rank_zero_warn(
-                f"`target_batch_size={self.plan.target_batch_size}` could not read the train dataloader in"
-                f" `setup` ({type(error).__name__}: {error}); K is resolved when training starts instead, so"
-                " `trainer.estimated_stepping_batches` in `configure_optimizers` assumes K=1. Build the data"
-                " in `__init__`, `prepare_data` or a LightningDataModule, or set `accumulation_steps`."
-            )
-            return
-        self._resolve_target(trainer)
-
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self._run_plan is not None
-        if self._run_plan.target_batch_size is not None:
-            # again: the micro-batch size may have changed since `setup` (e.g. `BatchSizeFinder`)
-            resolved_in_setup = self._run_plan.target_k
-            self._resolve_target(trainer)
-            if resolved_in_setup not in (None, self._run_plan.target_k):
-                self._api.rank_zero_warn(
-                    f"The micro-batch size changed after `setup` (e.g. `BatchSizeFinder`): K is now"
-                    f" {self._run_plan.target_k} for `target_batch_size={self.plan.target_batch_size}`;"
-                    " `trainer.estimated_stepping_batches` read in `configure_optimizers` used"
-                    f" K={resolved_in_setup}."
-                )
-        self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
+        self._k.resolve_target_again(trainer, self._api.rank_zero_warn)
+        self._apply_k(trainer)
         compat.check_optimizers(
-            trainer, self._run_plan.largest_k(), self._describe_plan(), self.estimated_stepping_batches
+            trainer, self._k.largest_k(), self._k.describe(), self.estimated_stepping_batches
         )
         assert trainer.model is not None
         try:
@@ -403,26 +353,6 @@ class GradientAccumulationLogic(_LogicBase):
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         if callbacks and callbacks[0] is not self:  # a new list: Lightning may be iterating over the old one
             trainer.callbacks = [self, *(c for c in callbacks if c is not self)]  # type: ignore[attr-defined]
-
-    def _resolve_target(self, trainer: pl.Trainer) -> None:
-        assert self._run_plan is not None
-        loader = trainer.train_dataloader
-        batch_size = getattr(loader, "batch_size", None) or getattr(
-            getattr(loader, "batch_sampler", None), "batch_size", None
-        )
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise RuntimeError(
-                f"`target_batch_size={self.plan.target_batch_size}` needs the micro-batch size, but the train"
-                f" dataloader ({type(loader).__name__}) has no fixed `batch_size`. Use a single DataLoader"
-                " with `batch_size=...` or set `accumulation_steps` instead."
-            )
-        k, effective = self._run_plan.resolve_target(batch_size, trainer.world_size)
-        if effective != self.plan.target_batch_size:
-            self._api.rank_zero_warn(
-                f"`target_batch_size={self.plan.target_batch_size}` is not a multiple of micro-batch size"
-                f" {batch_size} x {trainer.world_size} rank(s); using K={k}, an effective batch size of"
-                f" {effective}."
-            )
 
     def _build_accumulator(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, reduce_gradients: bool
@@ -468,16 +398,12 @@ class GradientAccumulationLogic(_LogicBase):
             self._discard_window(
                 trainer, "the previous epoch ended inside it, e.g. `on_train_batch_start` returned -1"
             )
-        assert self._run_plan is not None
-        self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
+        self._apply_k(trainer)
 
-    def _apply_k(self, trainer: pl.Trainer, k: int | None) -> None:
-        if k is None:  # target batch size not resolved yet: resolved in `on_train_start`
-            return
-        trainer.accumulate_grad_batches = k
-        self._applied_k = k
-        self._applied_to = weakref.ref(trainer)
-        if self._accumulator is not None:  # both raise if a window were open
+    def _apply_k(self, trainer: pl.Trainer) -> None:
+        """Write the K of the current epoch into the Trainer and the accumulator (none while unresolved)."""
+        k = self._k.apply(trainer)
+        if k is not None and self._accumulator is not None:  # both raise if a window were open
             self._accumulator.accumulation_steps = k
             self._accumulator.loss_scale = 1.0 / k
 
