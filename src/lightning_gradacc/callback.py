@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import pytorch_lightning as pl
@@ -51,6 +52,21 @@ LOGGED_STATISTICS = tuple(
 )
 # Returns a number or a Tensor. Annotated Any: jsonargparse rejects a function returning `int` for a union.
 ItemCountFn = Callable[[Any], Any]
+
+
+@dataclass(slots=True)
+class _Batch:
+    """What the callback knows of the current micro-batch: ``on_train_batch_start`` starts a fresh one."""
+
+    items: Any = None  # its item count (a number or a tensor); None: unknown
+    label: str = ""  # what `items` is, for the core's messages
+    error: str | None = None  # why `items` is unknown, raised at the boundary (on every rank together)
+    count: ItemCount | None = None  # the weighed count, from `on_before_backward` until the record
+    loss: Tensor | None = None  # the back-propagated loss, from `on_before_backward` until the record
+    backward_ran: bool = False  # False: `training_step` returned None
+    last_backward: bool = False  # its backward ends the window (asked under DDP, FSDP, AMP only)
+    recorded: bool = False  # recorded in the window, the batch not ended: a save now is mid-batch
+    finalized: bool = False  # the window was finalized (stepped or skipped) in it; LBFGS may re-evaluate
 
 
 def _optimized_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, Tensor]]:
@@ -226,17 +242,7 @@ class GradientAccumulationLogic(_LogicBase):
         # per-micro-batch modes under DDP: the model whose gradient sync is off for the fit
         self._ddp_without_sync: DistributedDataParallel | None = None
         self._flush_before_last_backward = False  # DDP's one all-reduce carries the buffered window
-        # per micro-batch
-        self._pending_items: Any = None
-        self._pending_error: str | None = None
-        self._pending_label = ""
-        self._pending_count: ItemCount | None = None
-        self._pending_loss: Tensor | None = None
-        self._backward_in_batch = False  # a backward ran in this batch (False: training_step returned None)
-        self._last_backward = False  # this batch's backward ends the window (asked under DDP, FSDP, AMP)
-        self._recorded_in_open_batch = False  # this batch's micro-batch is recorded, the batch not ended
-        self._finalized_in_batch = False  # the window was finalized in this batch (LBFGS re-evaluates)
-        self._stepped = False
+        self._batch = _Batch()
         self._paused_clipping: internals.PausedClipping | None = None  # Lightning's, until the batch ends
         self._skips_warned = 0
         self._skipped_seen = 0
@@ -437,8 +443,7 @@ class GradientAccumulationLogic(_LogicBase):
     ) -> None:
         accumulator = self._accumulator
         assert accumulator is not None
-        self._stepped = self._backward_in_batch = self._finalized_in_batch = self._last_backward = False
-        self._recorded_in_open_batch = False
+        self._batch = current = _Batch()
         if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
             self._follow_param_groups(trainer, pl_module)  # window measures the new set from its start
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
@@ -453,33 +458,29 @@ class GradientAccumulationLogic(_LogicBase):
         counted = count_micro_batch(
             batch, batch_idx, self.item_count_fn, weighted, self._api.extract_batch_size
         )
-        self._pending_items, self._pending_label, self._pending_error = (
-            counted.items,
-            counted.label,
-            counted.error,
-        )
+        current.items, current.label, current.error = counted.items, counted.label, counted.error
         if counted.warning is not None and not self._warned_no_items:
             self._warned_no_items = True
             self._api.rank_zero_warn(counted.warning)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        accumulator = self._accumulator
+        accumulator, current = self._accumulator, self._batch
         assert accumulator is not None
         count = accumulator.weigh(
-            self._pending_items, loss_dtype=loss.dtype, label=self._pending_label, error=self._pending_error
+            current.items, loss_dtype=loss.dtype, label=current.label, error=current.error
         )
-        self._pending_count = count
+        current.count = count
         weighted = self.settings.scaling == "weighted"
         # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed.
         # It is recorded as is (the core divides K and the AMP scale out once per window); only a loss about
         # to be weighted in place needs a copy.
-        self._pending_loss = loss.detach().clone() if weighted else loss.detach()
+        current.loss = loss.detach().clone() if weighted else loss.detach()
         count.weigh_loss(loss, in_place=True)
         accumulator.begin_backward()  # noise_scale: only this backward's gradients are this micro-batch's
         synchronizing = self._sync.defers or self._flush_before_last_backward or self._scaler is not None
         # whether this backward ends the window (asked only where it matters: a private Lightning call)
-        self._last_backward = last = synchronizing and not internals.should_accumulate(trainer)
+        current.last_backward = last = synchronizing and not internals.should_accumulate(trainer)
         self._sync.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
         if last and self._flush_before_last_backward:
             accumulator.flush_to_grad()  # DDP's one all-reduce then carries the whole window
@@ -487,18 +488,17 @@ class GradientAccumulationLogic(_LogicBase):
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._accumulator is not None
+        current = self._batch
         self._sync.after_backward()
         self._follow_param_groups(trainer, pl_module)
-        self._accumulator.record(
-            self._pending_count, self._pending_loss, reevaluation=self._finalized_in_batch
-        )
-        self._recorded_in_open_batch = True  # until `on_train_batch_end`: a save now is mid-batch
-        if self._last_backward and self._scaler is not None:
+        self._accumulator.record(current.count, current.loss, reevaluation=current.finalized)
+        current.recorded = True  # until `on_train_batch_end`: a save now is mid-batch
+        if current.last_backward and self._scaler is not None:
             # after the last micro-batch went through the buffers (checked and clipped on its own): the
             # scaler unscales and checks `.grad` before `on_before_optimizer_step`
             self._accumulator.flush_to_grad()
-        self._backward_in_batch = True
-        self._pending_loss = self._pending_count = None
+        current.backward_ran = True
+        current.loss = current.count = None
 
     # ---------------------------------------------------------------------------------------- boundary
 
@@ -506,37 +506,37 @@ class GradientAccumulationLogic(_LogicBase):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        accumulator = self._accumulator
+        accumulator, current, scaler = self._accumulator, self._batch, self._scaler
         assert accumulator is not None
         self._follow_param_groups(trainer, pl_module)
+        if not current.backward_ran and not accumulator.window.empty:
+            compat.check_window_can_end(self._sync, self.sharded_reduction)
         # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned
         # None: the window's earlier micro-batches would be dropped. The callback steps it itself.
-        if not self._backward_in_batch and not accumulator.window.empty:
-            compat.check_window_can_end(self._sync, self.sharded_reduction)
         steps_itself = (
-            self._scaler is not None
-            and not self._backward_in_batch
+            scaler is not None
+            and not current.backward_ran
             and not accumulator.window.empty
-            and not self._finalized_in_batch
+            and not current.finalized
         )
         if steps_itself:
-            assert self._scaler is not None
-            internals.init_scaler_scale(self._scaler)  # none yet if no loss was scaled in this fit (a resume)
+            assert scaler is not None
+            internals.init_scaler_scale(scaler)  # none yet if no loss was scaled in this fit (a resume)
             accumulator.flush_to_grad()  # the scaler unscales and checks `.grad`
-            self._scaler.unscale_(optimizer)
+            scaler.unscale_(optimizer)
         # Logged at this batch's end: the statistics then come along in the step's one sync.
         logs = self.log_stats and internals.logs_this_step(trainer)
-        stepped = accumulator.finalize(reevaluation=self._finalized_in_batch, read_statistics=logs)
-        self._finalized_in_batch = self._stepped = True
+        stepped = accumulator.finalize(reevaluation=current.finalized, read_statistics=logs)
+        current.finalized = True
         if self._ddp_without_sync is not None:  # buffers sync at the next forward, as after a synced pass
             internals.sync_ddp_buffers_at_next_forward(self._ddp_without_sync)
         if steps_itself:
-            assert self._scaler is not None
+            assert scaler is not None
             if stepped:  # Lightning's clipping (and the module's hook), before the step it would miss
                 internals.clip_as_lightning(trainer, pl_module, optimizer)
-            self._scaler.step(optimizer)
-            self._scaler.update()
-        if stepped and not steps_itself:
+            scaler.step(optimizer)
+            scaler.update()
+        elif stepped:
             return
         if not stepped:
             skipped = accumulator.stats.skipped_steps  # a sync, on this rare path only
@@ -563,8 +563,8 @@ class GradientAccumulationLogic(_LogicBase):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._recorded_in_open_batch = False
-        if not self._stepped:
+        self._batch.recorded = False
+        if not self._batch.finalized:
             return
         self._resume_clipping()
         if self.log_stats and internals.logs_this_step(trainer):
@@ -629,7 +629,7 @@ class GradientAccumulationLogic(_LogicBase):
         """
         accumulator = self._accumulator
         window = accumulator.window_state_dict() if accumulator is not None else None
-        if window is not None and self._recorded_in_open_batch:
+        if window is not None and self._batch.recorded:
             self._api.rank_zero_warn(
                 "This checkpoint is taken after a micro-batch's backward but before its batch ended (an"
                 " exception in a later hook of the batch, saved by `OnExceptionCheckpoint`?): the saved"
