@@ -31,6 +31,7 @@ from .core.weighting import ItemCount
 from .counters import check_item_count_fn, count_micro_batch
 from .k_owner import KOwner
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
+from .parameters import optimized_parameters, param_groups_signature
 from .schedule import AccumulationPlan
 from .sharded_sync import REDUCTIONS, ShardedSync
 from .stats import AccumulationStats
@@ -67,33 +68,6 @@ class _Batch:
     last_backward: bool = False  # its backward ends the window (asked under DDP, FSDP, AMP only)
     recorded: bool = False  # recorded in the window, the batch not ended: a save now is mid-batch
     finalized: bool = False  # the window was finalized (stepped or skipped) in it; LBFGS may re-evaluate
-
-
-def _optimized_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, Tensor]]:
-    """What the optimizers step (their ``param_groups``), named through the module.
-
-    This is the set Lightning's clipping and the GradScaler work on: a parameter that requires grad but is in
-    no optimizer (a frozen teacher, a loss module) is left alone.
-    """
-    names = {id(param): name for name, param in pl_module.named_parameters()}
-    named: list[tuple[str, Tensor]] = []
-    seen: set[int] = set()
-    for o, optimizer in enumerate(trainer.optimizers):
-        for g, group in enumerate(optimizer.param_groups):
-            for i, param in enumerate(group["params"]):
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    named.append((names.get(id(param), f"optimizer{o}.param_groups[{g}][{i}]"), param))
-    return named or list(pl_module.named_parameters())  # no optimizer: nothing steps, keep the module's
-
-
-def _param_groups_signature(trainer: pl.Trainer) -> tuple[tuple[int, int], ...]:
-    """Changes when a parameter group is added, or its list replaced or resized (``BaseFinetuning``)."""
-    return tuple(
-        (id(group["params"]), len(group["params"]))
-        for optimizer in trainer.optimizers
-        for group in optimizer.param_groups
-    )
 
 
 def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
@@ -371,7 +345,7 @@ class GradientAccumulationLogic(_LogicBase):
         compat.warn_noise_scale_unmeasurable(self._api, self.settings, k, world_size)
         model = trainer.model
         accumulator = GradAccumulator(  # all-reduces on the default group, as Lightning's DDP does, but
-            _optimized_parameters(trainer, pl_module),  # without `strategy.reduce`'s barrier before each
+            optimized_parameters(trainer, pl_module),  # without `strategy.reduce`'s barrier before each
             k,
             world_size=world_size,
             settings=self.settings,
@@ -380,7 +354,7 @@ class GradientAccumulationLogic(_LogicBase):
             reduce_gradients=reduce_gradients,
         )
         accumulator.loss_scale = 1.0 / k  # Lightning divides every loss by K
-        self._signature = _param_groups_signature(trainer)
+        self._signature = param_groups_signature(trainer)
         # Lifetime counters survive a second `fit()` and a resume from a checkpoint.
         state = (
             self._loaded_state
@@ -418,10 +392,10 @@ class GradientAccumulationLogic(_LogicBase):
 
         Looked at after every backward and before every step: the module may add one in any hook.
         """
-        signature = _param_groups_signature(trainer)
+        signature = param_groups_signature(trainer)
         if signature != self._signature:
             assert self._accumulator is not None
-            self._accumulator.track(_optimized_parameters(trainer, pl_module))
+            self._accumulator.track(optimized_parameters(trainer, pl_module))
             self._signature = signature
 
     def _discard_window(self, trainer: pl.Trainer, why: str) -> None:
