@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import pytorch_lightning as pl
 import torch
 from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from . import compatibility as compat
@@ -32,8 +31,9 @@ from .counters import check_item_count_fn, count_micro_batch
 from .k_owner import KOwner
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
 from .parameters import optimized_parameters, param_groups_signature
+from .reduction import WindowReduction
 from .schedule import AccumulationPlan
-from .sharded_sync import REDUCTIONS, ShardedSync
+from .sharded_sync import REDUCTIONS
 from .stats import AccumulationStats
 from .summary import format_summary
 
@@ -212,21 +212,13 @@ class GradientAccumulationLogic(_LogicBase):
         self._loaded_window: dict[str, Any] | None = None
         self._scaler: torch.amp.GradScaler | None = None
         self._signature: tuple[tuple[int, int], ...] = ()
-        self._sync = ShardedSync(torch.nn.Module())  # when FSDP reduces: set at train start
-        # per-micro-batch modes under DDP: the model whose gradient sync is off for the fit
-        self._ddp_without_sync: DistributedDataParallel | None = None
-        self._flush_before_last_backward = False  # DDP's one all-reduce carries the buffered window
+        self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
         self._batch = _Batch()
         self._paused_clipping: internals.PausedClipping | None = None  # Lightning's, until the batch ends
         self._skips_warned = 0
         self._skipped_seen = 0
         self._warned_no_items = False
         self._log_dir: str | None = None  # the last fit's logger's, for `summary()`
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_ddp_without_sync"] = None  # the model of a fit, not the callback's
-        return state
 
     # ------------------------------------------------------------------------------------ reporting
 
@@ -306,26 +298,24 @@ class GradientAccumulationLogic(_LogicBase):
             trainer, self._k.largest_k(), self._k.describe(), self.estimated_stepping_batches
         )
         assert trainer.model is not None
-        try:
-            self._sync = sync = ShardedSync(trainer.model, reduction=self.sharded_reduction)
-        except ValueError as error:
-            raise RuntimeError(str(error)) from None
         settings = self.settings
         per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
-        compat.check_sharded_reduction(self._api, sync, self.sharded_reduction, settings, per_micro_batch)
-        # DDP with a per-micro-batch mode: no backward of the window syncs, so that its last micro-batch too
-        # is checked and clipped on its own; the core averages the window over the ranks at its end instead.
-        ddp = trainer.model if isinstance(trainer.model, DistributedDataParallel) else None
-        self._ddp_without_sync = ddp if per_micro_batch and trainer.world_size > 1 else None
-        self._build_accumulator(trainer, pl_module, reduce_gradients=self._ddp_without_sync is not None)
-        if self._ddp_without_sync is not None:
-            internals.set_ddp_backward_sync(self._ddp_without_sync, False)  # `no_sync()` for the whole fit
-            compat.warn_ddp_comm_hook(self._api, trainer.strategy)
-        # The window's last backward syncs: before it the buffers go into `.grad`, so that DDP's one
-        # all-reduce carries the whole window (as without buffers).
-        self._flush_before_last_backward = (
-            trainer.world_size > 1 and not sync.sharded and self._ddp_without_sync is None
+        try:
+            self._sync = WindowReduction(
+                trainer.model,
+                reduction=self.sharded_reduction,
+                world_size=trainer.world_size,
+                per_micro_batch=per_micro_batch,
+            )
+        except ValueError as error:
+            raise RuntimeError(str(error)) from None
+        compat.check_sharded_reduction(
+            self._api, self._sync.fsdp, self.sharded_reduction, settings, per_micro_batch
         )
+        self._build_accumulator(trainer, pl_module, reduce_gradients=self._sync.core_reduces)
+        if self._sync.core_reduces:
+            self._sync.start()
+            compat.warn_ddp_comm_hook(self._api, trainer.strategy)
         self._go_first(trainer)  # again: another callback may have moved itself in its own `setup`
 
     def _go_first(self, trainer: pl.Trainer) -> None:
@@ -343,14 +333,14 @@ class GradientAccumulationLogic(_LogicBase):
         if previous is not None:
             previous.remove_hooks()  # its noise-scale hook must not keep measuring
         compat.warn_noise_scale_unmeasurable(self._api, self.settings, k, world_size)
-        model = trainer.model
+        sharded = trainer.model if self._sync.fsdp.sharded else None  # FSDP1's flat slices, FSDP2's gradients
         accumulator = GradAccumulator(  # all-reduces on the default group, as Lightning's DDP does, but
             optimized_parameters(trainer, pl_module),  # without `strategy.reduce`'s barrier before each
             k,
             world_size=world_size,
             settings=self.settings,
             grad_scaler=self._scaler,
-            fsdp_module=model if self._sync.sharded else None,  # FSDP1's flat slices, FSDP2's held gradients
+            fsdp_module=sharded,
             reduce_gradients=reduce_gradients,
         )
         accumulator.loss_scale = 1.0 / k  # Lightning divides every loss by K
@@ -407,7 +397,7 @@ class GradientAccumulationLogic(_LogicBase):
             f" window (global step {trainer.global_step})."
         )
         self._accumulator.reset(set_grads_to_none=True)
-        self._sync.drop_unsynced()  # and what FSDP holds unsynced (`sharded_reduction="window_end"`)
+        self._sync.fsdp.drop_unsynced()  # and what FSDP holds unsynced (`sharded_reduction="window_end"`)
 
     # --------------------------------------------------------------------------------- per micro-batch
 
@@ -452,18 +442,19 @@ class GradientAccumulationLogic(_LogicBase):
         current.loss = loss.detach().clone() if weighted else loss.detach()
         count.weigh_loss(loss, in_place=True)
         accumulator.begin_backward()  # noise_scale: only this backward's gradients are this micro-batch's
-        synchronizing = self._sync.defers or self._flush_before_last_backward or self._scaler is not None
+        sync = self._sync
+        synchronizing = sync.fsdp.defers or sync.flush_before_last_backward or self._scaler is not None
         # whether this backward ends the window (asked only where it matters: a private Lightning call)
         current.last_backward = last = synchronizing and not internals.should_accumulate(trainer)
-        self._sync.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
-        if last and self._flush_before_last_backward:
+        sync.fsdp.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
+        if last and sync.flush_before_last_backward:
             accumulator.flush_to_grad()  # DDP's one all-reduce then carries the whole window
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._accumulator is not None
         current = self._batch
-        self._sync.after_backward()
+        self._sync.fsdp.after_backward()
         self._follow_param_groups(trainer, pl_module)
         self._accumulator.record(current.count, current.loss, reevaluation=current.finalized)
         current.recorded = True  # until `on_train_batch_end`: a save now is mid-batch
@@ -484,7 +475,7 @@ class GradientAccumulationLogic(_LogicBase):
         assert accumulator is not None
         self._follow_param_groups(trainer, pl_module)
         if not current.backward_ran and not accumulator.window.empty:
-            compat.check_window_can_end(self._sync, self.sharded_reduction)
+            compat.check_window_can_end(self._sync.fsdp, self.sharded_reduction)
         # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned
         # None: the window's earlier micro-batches would be dropped. The callback steps it itself.
         steps_itself = (
@@ -502,8 +493,7 @@ class GradientAccumulationLogic(_LogicBase):
         logs = self.log_stats and internals.logs_this_step(trainer)
         stepped = accumulator.finalize(reevaluation=current.finalized, read_statistics=logs)
         current.finalized = True
-        if self._ddp_without_sync is not None:  # buffers sync at the next forward, as after a synced pass
-            internals.sync_ddp_buffers_at_next_forward(self._ddp_without_sync)
+        self._sync.after_step()
         if steps_itself:
             assert scaler is not None
             if stepped:  # Lightning's clipping (and the module's hook), before the step it would miss
@@ -566,18 +556,16 @@ class GradientAccumulationLogic(_LogicBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self._resume_clipping()
-        self._restore_ddp_sync()
         if self._accumulator is not None:  # its open window stays for a checkpoint saved after this hook
             self._accumulator.remove_hooks()  # (`OnExceptionCheckpoint`); the next `fit` discards it
         # With sync off FSDP keeps a window's gradients unsharded inside itself, where neither `zero_grad`
         # nor the next window would clear them: the next synced backward would add them in.
-        self._sync.restore(discard=True)
+        self._sync.end(discard=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log_dir = trainer.logger.log_dir if trainer.logger is not None else None
-        self._restore_ddp_sync()
-        self._sync.restore(discard=self._accumulator is not None and not self._accumulator.window.empty)
+        self._sync.end(discard=self._accumulator is not None and not self._accumulator.window.empty)
         if self._accumulator is not None and not self._accumulator.window.empty:
             self._api.rank_zero_warn(
                 f"Training ended inside a window: {self._accumulator.window.micro_batches} micro-batch(es)"
@@ -586,12 +574,6 @@ class GradientAccumulationLogic(_LogicBase):
             self._accumulator.reset(set_grads_to_none=True)
         if self._accumulator is not None:
             self._accumulator.remove_hooks()
-
-    def _restore_ddp_sync(self) -> None:
-        """DDP's own gradient sync again, after a fit that turned it off (per-micro-batch modes)."""
-        ddp, self._ddp_without_sync = self._ddp_without_sync, None
-        if ddp is not None:
-            internals.set_ddp_backward_sync(ddp, True)
 
     # ------------------------------------------------------------------------------------- checkpoint
 
