@@ -24,7 +24,6 @@ from typing_extensions import override
 from . import compatibility as compat
 from . import lightning_internals as internals
 from .core import GradAccumulator
-from .core.checkpoint import FORMAT_VERSION
 from .core.validation import AccumulationSettings
 from .core.weighting import ItemCount
 from .counters import check_item_count_fn, count_micro_batch
@@ -32,6 +31,7 @@ from .k_owner import KOwner
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
 from .parameters import optimized_parameters, param_groups_signature
 from .reduction import WindowReduction
+from .saved_state import SavedState
 from .schedule import AccumulationPlan
 from .sharded_sync import REDUCTIONS
 from .stats import AccumulationStats
@@ -208,8 +208,7 @@ class GradientAccumulationLogic(_LogicBase):
 
         self._stage: str | None = None  # the stage of the last `setup`
         self._accumulator: GradAccumulator | None = None
-        self._loaded_state: dict[str, Any] | None = None
-        self._loaded_window: dict[str, Any] | None = None
+        self._saved = SavedState()  # a checkpoint's state, until the next accumulator takes it
         self._scaler: torch.amp.GradScaler | None = None
         self._signature: tuple[tuple[int, int], ...] = ()
         self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
@@ -345,20 +344,11 @@ class GradientAccumulationLogic(_LogicBase):
         )
         accumulator.loss_scale = 1.0 / k  # Lightning divides every loss by K
         self._signature = param_groups_signature(trainer)
-        # Lifetime counters survive a second `fit()` and a resume from a checkpoint.
-        state = (
-            self._loaded_state
-            if self._loaded_state is not None
-            else (previous.state_dict() if previous is not None else None)
-        )
-        try:
-            if state is not None:
-                accumulator.load_state_dict(state)
-            self._restore_window(trainer, accumulator)  # validates everything before it changes anything
+        try:  # lifetime counters survive a second `fit()` and a resume from a checkpoint
+            self._saved.restore(accumulator, previous, primary=trainer.global_rank == 0)
         except BaseException:
             accumulator.remove_hooks()  # it will never be used: its noise-scale hooks must not stay
             raise
-        self._loaded_state = None
         self._accumulator = accumulator
         self._skipped_seen = accumulator.stats.skipped_steps
 
@@ -583,39 +573,14 @@ class GradientAccumulationLogic(_LogicBase):
 
         Under DDP this sums the open window over ranks (every rank takes part, as in every Lightning save).
         """
-        accumulator = self._accumulator
-        window = accumulator.window_state_dict() if accumulator is not None else None
-        if window is not None and self._batch.recorded:
-            self._api.rank_zero_warn(
-                "This checkpoint is taken after a micro-batch's backward but before its batch ended (an"
-                " exception in a later hook of the batch, saved by `OnExceptionCheckpoint`?): the saved"
-                " window holds that micro-batch, while Lightning restarts the batch's index when it resumes,"
-                " so a resume from it is not exact. Checkpoints taken at a batch's end resume exactly."
-            )
-        return {
-            "version": FORMAT_VERSION,
-            "accumulator": accumulator.state_dict() if accumulator is not None else None,
-            "window": window,
-        }
+        warn = self._api.rank_zero_warn
+        return SavedState.save(self._accumulator, mid_batch=self._batch.recorded, warn=warn)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._stage not in (None, "fit"):  # validate/test/predict(ckpt_path=...) never train: keep nothing
             return
-        if state_dict.get("version") != FORMAT_VERSION:
-            raise ValueError(
-                f"Cannot load `GradientAccumulationCallback` state of version {state_dict.get('version')!r};"
-                f" this version reads {FORMAT_VERSION}."
-            )
-        self._loaded_state = state_dict.get("accumulator")
-        self._loaded_window = state_dict.get("window")
-
-    def _restore_window(self, trainer: pl.Trainer, accumulator: GradAccumulator) -> None:
-        """Re-open the window a mid-window checkpoint saved (on rank 0; other ranks start from zero)."""
-        window, self._loaded_window = self._loaded_window, None
-        if window is None:
-            return
-        accumulator.load_window_state_dict(window, primary=trainer.global_rank == 0)
+        self._saved.load(state_dict)
 
 
 class GradientAccumulationCallback(GradientAccumulationLogic, pl.Callback):
