@@ -31,6 +31,9 @@ from .k_owner import KOwner
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
 from .parameters import optimized_parameters, param_groups_signature
 from .reduction import WindowReduction
+from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from here too
+from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
+from .reporting import SkipWarnings, step_metrics
 from .saved_state import SavedState
 from .schedule import AccumulationPlan
 from .sharded_sync import REDUCTIONS
@@ -44,13 +47,6 @@ if TYPE_CHECKING:
 else:
     _LogicBase = object
 
-# Statistics logged under "grad_accum/" with their own names (all but the open window's micro-batches).
-NOISE_STATISTICS = ("noise_scale", "grad_sq_norm_estimate", "trace_sigma_estimate")  # with noise_scale=True
-LOGGED_STATISTICS = tuple(
-    name
-    for name in (*AccumulationStats.__dataclass_fields__, "steps_taken")
-    if name != "open_window_micro_batches" and name not in NOISE_STATISTICS
-)
 # Returns a number or a Tensor. Annotated Any: jsonargparse rejects a function returning `int` for a union.
 ItemCountFn = Callable[[Any], Any]
 
@@ -214,8 +210,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
         self._batch = _Batch()
         self._paused_clipping: internals.PausedClipping | None = None  # Lightning's, until the batch ends
-        self._skips_warned = 0
-        self._skipped_seen = 0
+        self._skips = SkipWarnings()
         self._warned_no_items = False
         self._log_dir: str | None = None  # the last fit's logger's, for `summary()`
 
@@ -350,7 +345,7 @@ class GradientAccumulationLogic(_LogicBase):
             accumulator.remove_hooks()  # it will never be used: its noise-scale hooks must not stay
             raise
         self._accumulator = accumulator
-        self._skipped_seen = accumulator.stats.skipped_steps
+        self._skips.seen = accumulator.stats.skipped_steps
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -492,26 +487,14 @@ class GradientAccumulationLogic(_LogicBase):
             scaler.update()
         elif stepped:
             return
-        if not stepped:
-            skipped = accumulator.stats.skipped_steps  # a sync, on this rare path only
-            if skipped > self._skipped_seen:
-                self._warn_skip(trainer, skipped)
-            self._skipped_seen = skipped
+        if not stepped:  # `skipped_steps` syncs, on this rare path only
+            self._skips.update(accumulator.stats.skipped_steps, trainer.global_step, self._api.rank_zero_warn)
         # Lightning clips after this hook (`gradient_clip_val`, or `configure_gradient_clipping`): by value
         # it crashes on a list with no gradient at all, and a window the callback stepped itself
         # was clipped before its step. Both go through the precision plugin, paused until the batch ends.
         paused = self._paused_clipping
         if paused is None or paused.plugin is not trainer.precision_plugin:
             self._paused_clipping = internals.pause_clipping(trainer.precision_plugin)
-
-    def _warn_skip(self, trainer: pl.Trainer, skipped: int) -> None:
-        if skipped >= 2 * self._skips_warned or skipped == 1:  # 1, 2, 4, 8, ...: rate-limited
-            self._skips_warned = max(skipped, 1)
-            self._api.rank_zero_warn(
-                f"Non-finite gradient at global step {trainer.global_step}: the optimizer step was skipped"
-                f" ({skipped} skipped so far). Parameters and optimizer state are unchanged; `global_step`"
-                " and step-interval LR schedulers still advance."
-            )
 
     @override
     def on_train_batch_end(
@@ -528,13 +511,7 @@ class GradientAccumulationLogic(_LogicBase):
 
     def metrics(self) -> dict[str, float]:
         """The logged scalars: ``LOGGED_STATISTICS`` and ``window_loss``, under ``grad_accum/``."""
-        if self._accumulator is None:
-            return {}
-        stats = self._accumulator.stats.as_dict()
-        names = LOGGED_STATISTICS + (NOISE_STATISTICS if self.settings.noise_scale else ())
-        logged = {f"grad_accum/{name}": float(stats[name]) for name in names}
-        logged["grad_accum/window_loss"] = self._accumulator.window_loss
-        return logged
+        return step_metrics(self._accumulator, noise_scale=self.settings.noise_scale)
 
     def _resume_clipping(self) -> None:
         paused, self._paused_clipping = self._paused_clipping, None
