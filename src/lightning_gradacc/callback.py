@@ -36,7 +36,7 @@ from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
 from .reporting import SkipWarnings, step_metrics
 from .saved_state import SavedState
 from .schedule import AccumulationPlan
-from .sharded_sync import REDUCTIONS
+from .sharded_sync import check_reduction
 from .stats import AccumulationStats
 from .summary import format_summary
 
@@ -177,12 +177,7 @@ class GradientAccumulationLogic(_LogicBase):
         noise_scale_every: int = 1,
     ) -> None:
         self._k = KOwner(AccumulationPlan(accumulation_steps, target_batch_size))
-        if sharded_reduction not in REDUCTIONS:
-            raise ValueError(
-                f"Expected argument `sharded_reduction` to be one of {list(REDUCTIONS)}, but got"
-                f" {sharded_reduction!r}."
-            )
-        self.sharded_reduction = sharded_reduction
+        self.sharded_reduction = check_reduction(sharded_reduction)
         self.settings = AccumulationSettings.checked(
             scaling=scaling,
             max_grad_norm=max_grad_norm,
