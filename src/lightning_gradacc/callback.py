@@ -1,7 +1,12 @@
 """GradientAccumulationCallback: the Lightning shell around :class:`~lightning_gradacc.core.GradAccumulator`.
 
-It decides *when* (which hook, which micro-batch, which rank); the core computes *what*. Every private
-attribute of Lightning it relies on is read or written in :mod:`~lightning_gradacc.lightning_internals`.
+It decides *when* (which hook, which micro-batch, which rank); the core computes *what*. The hooks hand
+the rest on: the run checks to :mod:`~lightning_gradacc.compatibility`, K to
+:mod:`~lightning_gradacc.k_owner`, item counts to :mod:`~lightning_gradacc.counters`, which backward
+reduces over the ranks to :mod:`~lightning_gradacc.reduction`, the checkpoint entry to
+:mod:`~lightning_gradacc.saved_state`, what is logged to :mod:`~lightning_gradacc.reporting`, and every
+private attribute of Lightning to :mod:`~lightning_gradacc.lightning_internals`. What the callback knows of
+the current micro-batch is one :class:`_Batch`.
 
 The logic (:class:`GradientAccumulationLogic`) depends on neither Lightning namespace: it takes the classes
 it checks against from the Trainer's own namespace (:mod:`lightning_gradacc.namespaces`). This module's
@@ -200,8 +205,8 @@ class GradientAccumulationLogic(_LogicBase):
         self._stage: str | None = None  # the stage of the last `setup`
         self._accumulator: GradAccumulator | None = None
         self._saved = SavedState()  # a checkpoint's state, until the next accumulator takes it
-        self._scaler: torch.amp.GradScaler | None = None
-        self._signature: tuple[tuple[int, int], ...] = ()
+        self._scaler: torch.amp.GradScaler | None = None  # the fit's, set in `setup`
+        self._signature: tuple[tuple[int, int], ...] = ()  # of the parameter groups the accumulator tracks
         self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
         self._batch = _Batch()
         self._paused_clipping: internals.PausedClipping | None = None  # Lightning's, until the batch ends
