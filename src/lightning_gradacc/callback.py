@@ -1,7 +1,12 @@
 """GradientAccumulationCallback: the Lightning shell around :class:`~lightning_gradacc.core.GradAccumulator`.
 
-It decides *when* (which hook, which micro-batch, which rank); the core computes *what*. See
-``docs/architecture.md`` section 3 for the Lightning internals relied on here.
+It decides *when* (which hook, which micro-batch, which rank); the core computes *what*. The hooks hand
+the rest on: the run checks to :mod:`~lightning_gradacc.compatibility`, K to
+:mod:`~lightning_gradacc.k_owner`, item counts to :mod:`~lightning_gradacc.counters`, which backward
+reduces over the ranks to :mod:`~lightning_gradacc.reduction`, the checkpoint entry to
+:mod:`~lightning_gradacc.saved_state`, what is logged to :mod:`~lightning_gradacc.reporting`, and every
+private attribute of Lightning to :mod:`~lightning_gradacc.lightning_internals`. What the callback knows of
+the current micro-batch is one :class:`_Batch`.
 
 The logic (:class:`GradientAccumulationLogic`) depends on neither Lightning namespace: it takes the classes
 it checks against from the Trainer's own namespace (:mod:`lightning_gradacc.namespaces`). This module's
@@ -11,25 +16,32 @@ has the one for ``lightning.pytorch``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import pytorch_lightning as pl
 import torch
 from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from . import compatibility as compat
+from . import lightning_internals as internals
 from .core import GradAccumulator
-from .core.checkpoint import FORMAT_VERSION
 from .core.validation import AccumulationSettings
 from .core.weighting import ItemCount
-from .namespaces import CALLBACK_IMPORTS, PYTORCH_LIGHTNING, LightningNamespace, namespace, namespace_of
+from .counters import check_item_count_fn, count_micro_batch
+from .k_owner import KOwner
+from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
+from .parameters import optimized_parameters, param_groups_signature
+from .reduction import WindowReduction
+from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from here too
+from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
+from .reporting import SkipWarnings, step_metrics
+from .saved_state import SavedState
 from .schedule import AccumulationPlan
-from .sharded_sync import REDUCTIONS, ShardedSync
+from .sharded_sync import check_reduction
 from .stats import AccumulationStats
 from .summary import format_summary
 
@@ -40,105 +52,23 @@ if TYPE_CHECKING:
 else:
     _LogicBase = object
 
-# Statistics logged under "grad_accum/" with their own names (all but the open window's micro-batches).
-NOISE_STATISTICS = ("noise_scale", "grad_sq_norm_estimate", "trace_sigma_estimate")  # with noise_scale=True
-LOGGED_STATISTICS = tuple(
-    name
-    for name in (*AccumulationStats.__dataclass_fields__, "steps_taken")
-    if name != "open_window_micro_batches" and name not in NOISE_STATISTICS
-)
-SCHEDULER_CONFLICT = (
-    "You are using Lightning's `GradientAccumulationScheduler` and `GradientAccumulationCallback`. Remove the"
-    " scheduler and pass its schedule as `GradientAccumulationCallback(accumulation_steps={epoch: K})`."
-)
 # Returns a number or a Tensor. Annotated Any: jsonargparse rejects a function returning `int` for a union.
 ItemCountFn = Callable[[Any], Any]
 
 
-def _inferred_batch_size(batch: Any, extract_batch_size: Callable[[Any], int]) -> int:
-    """The batch size Lightning infers: the length of the first tensor.
+@dataclass(slots=True)
+class _Batch:
+    """What the callback knows of the current micro-batch: ``on_train_batch_start`` starts a fresh one."""
 
-    A fast path covers ``(inputs, targets)``, tensor and dict batches; Lightning's general walk (the fallback)
-    costs about 10 µs per micro-batch.
-    """
-    first = batch
-    if isinstance(batch, (list, tuple)) and batch:
-        first = batch[0]
-    elif isinstance(batch, dict) and batch:
-        first = next(iter(batch.values()))
-    if isinstance(first, Tensor) and first.dim() > 0:
-        return len(first)
-    return extract_batch_size(batch)
-
-
-def _tensors(batch: Any) -> Iterator[Tensor]:
-    """Every tensor in a batch: through mappings, lists, tuples (namedtuples too) and dataclasses."""
-    if isinstance(batch, Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from _tensors(value)
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for field in dataclasses.fields(batch):
-            yield from _tensors(getattr(batch, field.name))
-
-
-def unambiguous_batch_size(batch: Any) -> int:
-    """The batch size, when every tensor of the batch agrees on it; else ``ValueError`` saying why.
-
-    Lightning's inference takes the first tensor it finds, which silently gives 1 for a batch that starts
-    with a scalar (e.g. a namedtuple whose first field is a sequence length). ``scaling="weighted"`` weights
-    every micro-batch by this number, so a guess is not good enough.
-
-    Example:
-        >>> unambiguous_batch_size((torch.zeros(4, 3), torch.zeros(4)))
-        4
-    """
-    sizes: set[int] = set()
-    for tensor in _tensors(batch):
-        if tensor.dim() == 0:
-            raise ValueError("it holds a 0-dimensional tensor, which has no batch dimension")
-        sizes.add(len(tensor))
-    if not sizes:
-        raise ValueError(f"it holds no tensor ({type(batch).__name__})")
-    if len(sizes) > 1:
-        raise ValueError(f"its tensors disagree on the first dimension ({sorted(sizes)})")
-    return sizes.pop()
-
-
-def _should_accumulate(trainer: pl.Trainer) -> bool:
-    """Whether the current micro-batch does not end a window (Lightning's own, private, test)."""
-    return bool(trainer.fit_loop._should_accumulate())
-
-
-def _optimized_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, Tensor]]:
-    """What the optimizers step (their ``param_groups``), named through the module.
-
-    This is the set Lightning's clipping and the GradScaler work on: a parameter that requires grad but is in
-    no optimizer (a frozen teacher, a loss module) is left alone.
-    """
-    names = {id(param): name for name, param in pl_module.named_parameters()}
-    named: list[tuple[str, Tensor]] = []
-    seen: set[int] = set()
-    for o, optimizer in enumerate(trainer.optimizers):
-        for g, group in enumerate(optimizer.param_groups):
-            for i, param in enumerate(group["params"]):
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    named.append((names.get(id(param), f"optimizer{o}.param_groups[{g}][{i}]"), param))
-    return named or list(pl_module.named_parameters())  # no optimizer: nothing steps, keep the module's
-
-
-def _param_groups_signature(trainer: pl.Trainer) -> tuple[tuple[int, int], ...]:
-    """Changes when a parameter group is added, or its list replaced or resized (``BaseFinetuning``)."""
-    return tuple(
-        (id(group["params"]), len(group["params"]))
-        for optimizer in trainer.optimizers
-        for group in optimizer.param_groups
-    )
+    items: Any = None  # its item count (a number or a tensor); None: unknown
+    label: str = ""  # what `items` is, for the core's messages
+    error: str | None = None  # why `items` is unknown, raised at the boundary (on every rank together)
+    count: ItemCount | None = None  # the weighed count, from `on_before_backward` until the record
+    loss: Tensor | None = None  # the back-propagated loss, from `on_before_backward` until the record
+    backward_ran: bool = False  # False: `training_step` returned None
+    last_backward: bool = False  # its backward ends the window (asked under DDP, FSDP, AMP only)
+    recorded: bool = False  # recorded in the window, the batch not ended: a save now is mid-batch
+    finalized: bool = False  # the window was finalized (stepped or skipped) in it; LBFGS may re-evaluate
 
 
 def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
@@ -251,13 +181,8 @@ class GradientAccumulationLogic(_LogicBase):
         noise_scale_decay: float = 0.95,
         noise_scale_every: int = 1,
     ) -> None:
-        self.plan = AccumulationPlan(accumulation_steps, target_batch_size)
-        if sharded_reduction not in REDUCTIONS:
-            raise ValueError(
-                f"Expected argument `sharded_reduction` to be one of {list(REDUCTIONS)}, but got"
-                f" {sharded_reduction!r}."
-            )
-        self.sharded_reduction = sharded_reduction
+        self._k = KOwner(AccumulationPlan(accumulation_steps, target_batch_size))
+        self.sharded_reduction = check_reduction(sharded_reduction)
         self.settings = AccumulationSettings.checked(
             scaling=scaling,
             max_grad_norm=max_grad_norm,
@@ -271,68 +196,37 @@ class GradientAccumulationLogic(_LogicBase):
             noise_scale_decay=noise_scale_decay,
             noise_scale_every=noise_scale_every,
         )
-        if item_count_fn is not None:
-            if not callable(item_count_fn):
-                raise TypeError(
-                    f"Expected argument `item_count_fn` to be callable (batch -> number),"
-                    f" but got {item_count_fn!r}."
-                )
-            if self.settings.scaling != "weighted":
-                raise ValueError(
-                    f"Argument `item_count_fn` is only used with `scaling='weighted'`, but got"
-                    f" scaling={scaling!r}. Set `scaling='weighted'` or remove `item_count_fn`."
-                )
+        check_item_count_fn(item_count_fn, weighted=self.settings.scaling == "weighted", scaling=scaling)
         self.item_count_fn = item_count_fn
         if not isinstance(log_stats, bool):
             raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
         self.log_stats = log_stats
 
-        self._run_plan: AccumulationPlan | None = None  # the plan of the current fit
         self._stage: str | None = None  # the stage of the last `setup`
         self._accumulator: GradAccumulator | None = None
-        self._loaded_state: dict[str, Any] | None = None
-        self._loaded_window: dict[str, Any] | None = None
-        self._applied_k: int | None = None  # the value this callback last wrote to `_applied_to`
-        self._applied_to: weakref.ref[pl.Trainer] | None = None
-        self._scaler: torch.amp.GradScaler | None = None
-        self._signature: tuple[tuple[int, int], ...] = ()
-        self._sync = ShardedSync(torch.nn.Module())  # when FSDP reduces: set at train start
-        # per-micro-batch modes under DDP: the model whose gradient sync is off for the fit
-        self._ddp_without_sync: DistributedDataParallel | None = None
-        self._flush_before_last_backward = False  # DDP's one all-reduce carries the buffered window
-        # per micro-batch
-        self._pending_items: Any = None
-        self._pending_error: str | None = None
-        self._pending_label = ""
-        self._pending_count: ItemCount | None = None
-        self._pending_loss: Tensor | None = None
-        self._backward_in_batch = False  # a backward ran in this batch (False: training_step returned None)
-        self._last_backward = False  # this batch's backward ends the window (asked under DDP, FSDP, AMP)
-        self._recorded_in_open_batch = False  # this batch's micro-batch is recorded, the batch not ended
-        self._finalized_in_batch = False  # the window was finalized in this batch (LBFGS re-evaluates)
-        self._stepped = False
-        self._clipping_paused: Any = None  # the precision plugin whose clipping is paused for this step
-        self._own_clip_gradients: Any = None  # an instance attribute `clip_gradients` it had before
-        self._skips_warned = 0
-        self._skipped_seen = 0
+        self._saved = SavedState()  # a checkpoint's state, until the next accumulator takes it
+        self._scaler: torch.amp.GradScaler | None = None  # the fit's, set in `setup`
+        self._signature: tuple[tuple[int, int], ...] = ()  # of the parameter groups the accumulator tracks
+        self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
+        self._batch = _Batch()
+        self._paused_clipping: internals.PausedClipping | None = None  # Lightning's, until the batch ends
+        self._skips = SkipWarnings()
         self._warned_no_items = False
         self._log_dir: str | None = None  # the last fit's logger's, for `summary()`
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_applied_to"] = None  # a weak reference does not pickle (ddp_spawn pickles the callbacks)
-        state["_ddp_without_sync"] = None  # the model of a fit, not the callback's
-        return state
-
     # ------------------------------------------------------------------------------------ reporting
+
+    @property
+    def plan(self) -> AccumulationPlan:
+        """How K is chosen, as configured."""
+        return self._k.plan
 
     @property
     def stats(self) -> AccumulationStats:
         """A frozen snapshot of the statistics (see :class:`~lightning_gradacc.AccumulationStats`)."""
         if self._accumulator is not None:
             return self._accumulator.stats
-        plan = self._run_plan or self.plan
-        return AccumulationStats(accumulation_steps=self._applied_k or plan.for_epoch(0) or 1)
+        return AccumulationStats(accumulation_steps=self._k.accumulation_steps())
 
     def summary(self) -> str:
         """The statistics of the last fit as the table ``lightning-gradacc fit`` prints (for scripts).
@@ -354,13 +248,7 @@ class GradientAccumulationLogic(_LogicBase):
 
         See the module-level :func:`estimated_stepping_batches`, which finds the callback for you.
         """
-        lightning_estimate = trainer.estimated_stepping_batches  # loads the train dataloader if needed
-        plan = self._run_plan or self.plan
-        batches = trainer.num_training_batches
-        if plan.schedule is None or trainer.max_epochs in (None, -1) or batches == float("inf"):
-            return lightning_estimate
-        assert trainer.max_epochs is not None
-        return plan.stepping_batches(int(batches), trainer.max_epochs, trainer.max_steps)
+        return self._k.stepping_batches(trainer)
 
     # ------------------------------------------------------------------------------------- set-up
 
@@ -370,7 +258,7 @@ class GradientAccumulationLogic(_LogicBase):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._check_namespace(trainer)
+        compat.check_namespace(trainer, self.namespace)
         self._stage = stage
         if stage != "fit":
             return
@@ -378,234 +266,50 @@ class GradientAccumulationLogic(_LogicBase):
         if self._accumulator is not None and not self._accumulator.window.empty:
             # the last fit raised inside a window: it can never be stepped, and any K may follow
             self._accumulator.reset(set_grads_to_none=True)
-        trainer_k = trainer.accumulate_grad_batches
-        applied_here = (
-            self._applied_k if self._applied_to is not None and self._applied_to() is trainer else None
-        )
-        if self.plan.configured and trainer_k not in (1, applied_here, self.plan.fixed):
-            raise ValueError(
-                f"You have set `Trainer(accumulate_grad_batches={trainer_k})` and"
-                f" `GradientAccumulationCallback({self._describe_plan()})`. The callback owns the"
-                " accumulation factor: remove `accumulate_grad_batches` from the Trainer or set the same"
-                " value."
-            )
-        self._run_plan = self.plan.for_run(trainer_k)
-        largest = self._run_plan.largest_k()
-        if (largest is None or largest > 1) and self._api.is_param_in_hook_signature(
-            pl_module.training_step, "dataloader_iter", explicit=True
-        ):
-            raise RuntimeError(
-                "`training_step(self, dataloader_iter)` cannot accumulate gradients: Lightning then zeroes"
-                " them with a stale batch index, in the middle of a window (its built-in accumulation is"
-                " wrong there too). Use a `training_step(self, batch, batch_idx)` or K=1"
-                f" ({self._describe_plan()})."
-            )
-        if self.plan.target_batch_size is not None:
-            self._resolve_target_early(trainer)
-        self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
+        self._k.start_run(trainer)
+        api, largest = self._api, self._k.largest_k()
+        compat.check_training_step(api, pl_module, largest, self._k.describe())
+        if self.plan.target_batch_size is not None:  # now, so that `configure_optimizers` sees K
+            self._k.resolve_target_early(trainer, api.rank_zero_warn)
+        self._apply_k(trainer)
         self._go_first(trainer)
-        if (largest is None or largest > 1) and (
-            self._api.is_overridden("optimizer_step", pl_module)
-            or self._api.is_overridden("optimizer_zero_grad", pl_module)
-        ):
-            self._api.rank_zero_warn(
-                "You override `LightningModule.optimizer_step` or `optimizer_zero_grad` and accumulate"
-                " gradients: these hooks are called once per optimizer step, not on every batch. The"
-                " callback normalizes the gradient in `on_before_optimizer_step`, which"
-                " `optimizer.step(closure)` runs; an override that steps without the closure, or zeroes"
-                " gradients elsewhere, breaks the window."
-            )
-        algorithm = trainer.gradient_clip_algorithm
-        if (
-            trainer.gradient_clip_val
-            and isinstance(trainer.strategy, self._api.fsdp_strategy)
-            and str(getattr(algorithm, "value", algorithm) or "norm") == "norm"
-        ):
-            raise RuntimeError(
-                f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})` clips by norm, which Lightning's"
-                " `FSDPStrategy` refuses at the first step (`FSDPPrecision.clip_grad_by_norm`). Remove it and"
-                f" pass `GradientAccumulationCallback(max_grad_norm={trainer.gradient_clip_val})`: it clips"
-                " the sharded gradients by their whole norm, once per optimizer step."
-            )
-        if trainer.gradient_clip_val and (
-            self.settings.max_grad_norm is not None or self.settings.clip_value is not None
-        ):
-            self._api.rank_zero_warn(
-                f"Both `Trainer(gradient_clip_val={trainer.gradient_clip_val})` and the callback's clipping"
-                f" (max_grad_norm={self.settings.max_grad_norm}, clip_value={self.settings.clip_value}) are"
-                " set: the gradient is clipped twice. Remove `gradient_clip_val` from the Trainer."
-            )
-        self._scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if self._scaler is not None and self.settings.overflow == "skip_micro_batch":
-            raise RuntimeError(
-                "`overflow='skip_micro_batch'` cannot be used with a GradScaler (`precision='16-mixed'`): the"
-                " scaler must see every overflow to lower its scale. Use `overflow='skip'` (the scaler skips"
-                " the window) or bf16."
-            )
-        if self._scaler is not None and self.settings.overflow != "skip":
-            self._api.rank_zero_warn(
-                f"`overflow={self.settings.overflow!r}` cannot take effect under a GradScaler"
-                " (`precision='16-mixed'`): the scaler skips steps with non-finite gradients and lowers its"
-                " scale; those overflows are counted in `non_finite_windows` and `skipped_steps`."
-            )
-
-    def _describe_plan(self) -> str:
-        if self.plan.target_batch_size is not None:
-            return f"target_batch_size={self.plan.target_batch_size}"
-        if not self.plan.configured and self._run_plan is not None:
-            k = self._run_plan.fixed
-            return f"K={k} adopted from `Trainer(accumulate_grad_batches={k})`"
-        return f"accumulation_steps={self.plan.schedule or self.plan.fixed}"
-
-    def _check_namespace(self, trainer: pl.Trainer) -> None:
-        trainer_namespace = namespace_of(trainer)
-        if trainer_namespace is not None and trainer_namespace != self.namespace:
-            raise RuntimeError(
-                f"This `GradientAccumulationCallback` is for `{self.namespace}`, but the Trainer is a"
-                f" `{trainer_namespace}` Trainer: the two are separate class trees, so Lightning would run"
-                f" the callback without treating it as one. Use `{CALLBACK_IMPORTS[trainer_namespace]}`."
-            )
+        compat.warn_step_hooks_overridden(api, pl_module, largest)
+        compat.check_gradient_clip_val(api, trainer, self.settings)
+        self._scaler = internals.grad_scaler(trainer)
+        compat.check_grad_scaler(api, self._scaler, self.settings.overflow)
 
     def _check_compatibility(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not pl_module.automatic_optimization:
-            raise RuntimeError(
-                "`GradientAccumulationCallback` works with automatic optimization only. With"
-                " `automatic_optimization=False`, use `lightning_gradacc.GradAccumulator` in your"
-                " `training_step` (it does the same math) and remove the callback."
-            )
-        strategy = trainer.strategy
-        if strategy.handles_gradient_accumulation or "deepspeed" in type(strategy).__name__.lower():
-            raise RuntimeError(
-                f"`{type(strategy).__name__}` performs gradient accumulation itself (its config's"
-                " `gradient_accumulation_steps`). Remove `GradientAccumulationCallback` and configure"
-                " accumulation there."
-            )
-        api = self._api
-        supported = (
-            api.single_device_strategy,
-            api.ddp_strategy,
-            api.fsdp_strategy,
-            api.model_parallel_strategy,
-        )
-        if not isinstance(strategy, supported):
-            raise RuntimeError(
-                "`GradientAccumulationCallback` supports single-device, DDP, FSDP and ModelParallel (FSDP2)"
-                f" strategies, but the Trainer uses `{type(strategy).__name__}`, whose gradients it cannot"
-                " normalize and clip yet. Use `strategy='ddp'` or `strategy='fsdp'`, or"
-                " `ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)` with `fully_shard` in"
-                " `configure_model`, or remove the callback."
-            )
-        if isinstance(strategy, api.fsdp_strategy) and not getattr(strategy, "kwargs", {}).get(
-            "use_orig_params", True
-        ):
-            raise RuntimeError(
-                "`GradientAccumulationCallback` needs `FSDPStrategy(use_orig_params=True)` (Lightning's"
-                " default), but `use_orig_params=False` was passed: the optimizer then holds flat parameters"
-                " that mix many tensors, which neither per-parameter clipping nor the statistics can tell"
-                " apart."
-            )
-        tensor_parallel = getattr(strategy, "_tensor_parallel_size", 1)
-        if isinstance(strategy, self._api.model_parallel_strategy) and tensor_parallel != 1:
-            raise RuntimeError(
-                f"`GradientAccumulationCallback` supports `ModelParallelStrategy` with data parallelism only"
-                f" (FSDP2), but `tensor_parallel_size={tensor_parallel}`: ranks of a tensor-parallel group"
-                " see the same data, which item counts summed over every rank would count twice. Use"
-                f" `ModelParallelStrategy(data_parallel_size={trainer.world_size}, tensor_parallel_size=1)`."
-            )
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, self._api.gradient_accumulation_scheduler) or (
-                type(callback).__name__ == "GradientAccumulationScheduler"  # e.g. of the other namespace
-            ):
-                raise RuntimeError(SCHEDULER_CONFLICT)
-            if isinstance(callback, GradientAccumulationLogic) and callback is not self:
-                raise RuntimeError(
-                    "Two `GradientAccumulationCallback` instances were passed to the Trainer. Keep one."
-                )
-
-    def _resolve_target_early(self, trainer: pl.Trainer) -> None:
-        """Resolve K from the target batch size now, so that `configure_optimizers` sees it."""
-        try:
-            trainer.fit_loop.setup_data()  # what `trainer.estimated_stepping_batches` does; loaded once
-        except Exception as error:  # e.g. data built in LightningModule.setup, which runs after this hook
-            trainer.fit_loop._combined_loader = None  # a half-built loader would be kept: load it again later
-            self._api.rank_zero_warn(
-                f"`target_batch_size={self.plan.target_batch_size}` could not read the train dataloader in"
-                f" `setup` ({type(error).__name__}: {error}); K is resolved when training starts instead, so"
-                " `trainer.estimated_stepping_batches` in `configure_optimizers` assumes K=1. Build the data"
-                " in `__init__`, `prepare_data` or a LightningDataModule, or set `accumulation_steps`."
-            )
-            return
-        self._resolve_target(trainer)
+        compat.check_automatic_optimization(pl_module)
+        compat.check_strategy(self._api, trainer)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        compat.check_callbacks(self._api, callbacks, self, GradientAccumulationLogic)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self._run_plan is not None
-        if self._run_plan.target_batch_size is not None:
-            # again: the micro-batch size may have changed since `setup` (e.g. `BatchSizeFinder`)
-            resolved_in_setup = self._run_plan.target_k
-            self._resolve_target(trainer)
-            if resolved_in_setup not in (None, self._run_plan.target_k):
-                self._api.rank_zero_warn(
-                    f"The micro-batch size changed after `setup` (e.g. `BatchSizeFinder`): K is now"
-                    f" {self._run_plan.target_k} for `target_batch_size={self.plan.target_batch_size}`;"
-                    " `trainer.estimated_stepping_batches` read in `configure_optimizers` used"
-                    f" K={resolved_in_setup}."
-                )
-        self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
-        self._check_optimizers(trainer)
+        self._k.resolve_target_again(trainer, self._api.rank_zero_warn)
+        self._apply_k(trainer)
+        compat.check_optimizers(
+            trainer, self._k.largest_k(), self._k.describe(), self.estimated_stepping_batches
+        )
         assert trainer.model is not None
+        settings = self.settings
+        per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
         try:
-            self._sync = sync = ShardedSync(trainer.model, reduction=self.sharded_reduction)
+            self._sync = WindowReduction(
+                trainer.model,
+                reduction=self.sharded_reduction,
+                world_size=trainer.world_size,
+                per_micro_batch=per_micro_batch,
+            )
         except ValueError as error:
             raise RuntimeError(str(error)) from None
-        per_micro_batch = (
-            self.settings.overflow == "skip_micro_batch" or self.settings.clip_mode == "micro_batch"
+        compat.check_sharded_reduction(
+            self._api, self._sync.fsdp, self.sharded_reduction, settings, per_micro_batch
         )
-        if sync.defers and per_micro_batch:
-            raise RuntimeError(
-                "`overflow='skip_micro_batch'` and `clip_mode='micro_batch'` check each micro-batch's reduced"
-                f" gradient, but with `sharded_reduction={self.sharded_reduction!r}` FSDP holds it unsynced"
-                " until the window's last backward. Use `sharded_reduction='every_micro_batch'`."
-            )
-        if sync.defers and self.settings.accumulation_dtype is not None:
-            raise RuntimeError(
-                f"`accumulation_dtype={self.settings.accumulation_dtype}` cannot take effect with"
-                f" `sharded_reduction={self.sharded_reduction!r}`: FSDP then accumulates the window's"
-                " gradients inside itself and `.grad` receives the window only at its last backward, so the"
-                " buffers would never see a micro-batch. Use `sharded_reduction='every_micro_batch'` with"
-                " buffers, or (FSDP2) accumulate in float32 inside FSDP with"
-                " `fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))`."
-            )
-        if self.sharded_reduction != "every_micro_batch" and not sync.defers:
-            if sync.sharded:  # "replicas_at_window_end" on FSDP2 without a replicate dimension
-                reason = (
-                    "no module is sharded over an HSDP mesh (a replicate and a shard dimension), so there is"
-                    " no all-reduce across replicas to defer. Use 'window_end' to defer the reduce-scatter."
-                )
-            else:
-                reason = "no module is sharded by FSDP (DDP already reduces once per window)."
-            self._api.rank_zero_warn(
-                f"`sharded_reduction={self.sharded_reduction!r}` has no effect: {reason}"
-            )
-        # DDP with a per-micro-batch mode: no backward of the window syncs, so that its last micro-batch too
-        # is checked and clipped on its own; the core averages the window over the ranks at its end instead.
-        ddp = trainer.model if isinstance(trainer.model, DistributedDataParallel) else None
-        self._ddp_without_sync = ddp if per_micro_batch and trainer.world_size > 1 else None
-        self._build_accumulator(trainer, pl_module, reduce_gradients=self._ddp_without_sync is not None)
-        if self._ddp_without_sync is not None:
-            self._ddp_without_sync.require_backward_grad_sync = False  # `no_sync()` for the whole fit
-            if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
-                self._api.rank_zero_warn(
-                    "`DDPStrategy(ddp_comm_hook=...)` does not run with `clip_mode='micro_batch'` or"
-                    " `overflow='skip_micro_batch'`: no backward syncs through DDP there (each micro-batch"
-                    " must be checked on its own first); the window is averaged over the ranks with one"
-                    " plain all-reduce of the accumulation buffers at its end."
-                )
-        # The window's last backward syncs: before it the buffers go into `.grad`, so that DDP's one
-        # all-reduce carries the whole window (as without buffers).
-        self._flush_before_last_backward = (
-            trainer.world_size > 1 and not sync.sharded and self._ddp_without_sync is None
-        )
+        self._build_accumulator(trainer, pl_module, reduce_gradients=self._sync.core_reduces)
+        if self._sync.core_reduces:
+            self._sync.start()
+            compat.warn_ddp_comm_hook(self._api, trainer.strategy)
         self._go_first(trainer)  # again: another callback may have moved itself in its own `setup`
 
     def _go_first(self, trainer: pl.Trainer) -> None:
@@ -613,52 +317,6 @@ class GradientAccumulationLogic(_LogicBase):
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         if callbacks and callbacks[0] is not self:  # a new list: Lightning may be iterating over the old one
             trainer.callbacks = [self, *(c for c in callbacks if c is not self)]  # type: ignore[attr-defined]
-
-    def _check_optimizers(self, trainer: pl.Trainer) -> None:
-        assert self._run_plan is not None
-        if (self._run_plan.largest_k() or 1) > 1 and any(
-            isinstance(optimizer, torch.optim.LBFGS) for optimizer in trainer.optimizers
-        ):
-            raise RuntimeError(
-                "`torch.optim.LBFGS` evaluates its closure several times per step, and each evaluation"
-                " recomputes only the last micro-batch, so gradients cannot be accumulated over micro-batches"
-                f" ({self._describe_plan()}). Use K=1 with LBFGS."
-            )
-        if trainer.global_step:  # a resumed scheduler carries the total it was built with
-            return
-        for config in trainer.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if config.interval != "step" or not isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
-                continue
-            needed = self.estimated_stepping_batches(trainer)
-            if needed != float("inf") and needed // config.frequency > scheduler.total_steps:
-                raise RuntimeError(
-                    f"`OneCycleLR(total_steps={scheduler.total_steps})` would fail at step"
-                    f" {scheduler.total_steps + 1}: this fit takes {int(needed)} optimizer steps with"
-                    f" {self._describe_plan()}, and `trainer.estimated_stepping_batches` does not follow an"
-                    " epoch schedule. Build it with `total_steps=estimated_stepping_batches(self.trainer)`"
-                    " (`from lightning_gradacc import estimated_stepping_batches`)."
-                )
-
-    def _resolve_target(self, trainer: pl.Trainer) -> None:
-        assert self._run_plan is not None
-        loader = trainer.train_dataloader
-        batch_size = getattr(loader, "batch_size", None) or getattr(
-            getattr(loader, "batch_sampler", None), "batch_size", None
-        )
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise RuntimeError(
-                f"`target_batch_size={self.plan.target_batch_size}` needs the micro-batch size, but the train"
-                f" dataloader ({type(loader).__name__}) has no fixed `batch_size`. Use a single DataLoader"
-                " with `batch_size=...` or set `accumulation_steps` instead."
-            )
-        k, effective = self._run_plan.resolve_target(batch_size, trainer.world_size)
-        if effective != self.plan.target_batch_size:
-            self._api.rank_zero_warn(
-                f"`target_batch_size={self.plan.target_batch_size}` is not a multiple of micro-batch size"
-                f" {batch_size} x {trainer.world_size} rank(s); using K={k}, an effective batch size of"
-                f" {effective}."
-            )
 
     def _build_accumulator(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, reduce_gradients: bool
@@ -668,39 +326,26 @@ class GradientAccumulationLogic(_LogicBase):
         previous = self._accumulator
         if previous is not None:
             previous.remove_hooks()  # its noise-scale hook must not keep measuring
-        if self.settings.noise_scale and k * world_size < 2:
-            self._api.rank_zero_warn(
-                f"`noise_scale=True` needs at least 2 micro-batches per window, but K={k} on {world_size}"
-                " rank(s) gives 1: no estimate is made while K stays at 1."
-            )
-        model = trainer.model
+        compat.warn_noise_scale_unmeasurable(self._api, self.settings, k, world_size)
+        sharded = trainer.model if self._sync.fsdp.sharded else None  # FSDP1's flat slices, FSDP2's gradients
         accumulator = GradAccumulator(  # all-reduces on the default group, as Lightning's DDP does, but
-            _optimized_parameters(trainer, pl_module),  # without `strategy.reduce`'s barrier before each
+            optimized_parameters(trainer, pl_module),  # without `strategy.reduce`'s barrier before each
             k,
             world_size=world_size,
             settings=self.settings,
             grad_scaler=self._scaler,
-            fsdp_module=model if self._sync.sharded else None,  # FSDP1's flat slices, FSDP2's held gradients
+            fsdp_module=sharded,
             reduce_gradients=reduce_gradients,
         )
         accumulator.loss_scale = 1.0 / k  # Lightning divides every loss by K
-        self._signature = _param_groups_signature(trainer)
-        # Lifetime counters survive a second `fit()` and a resume from a checkpoint.
-        state = (
-            self._loaded_state
-            if self._loaded_state is not None
-            else (previous.state_dict() if previous is not None else None)
-        )
-        try:
-            if state is not None:
-                accumulator.load_state_dict(state)
-            self._restore_window(trainer, accumulator)  # validates everything before it changes anything
+        self._signature = param_groups_signature(trainer)
+        try:  # lifetime counters survive a second `fit()` and a resume from a checkpoint
+            self._saved.restore(accumulator, previous, primary=trainer.global_rank == 0)
         except BaseException:
             accumulator.remove_hooks()  # it will never be used: its noise-scale hooks must not stay
             raise
-        self._loaded_state = None
         self._accumulator = accumulator
-        self._skipped_seen = accumulator.stats.skipped_steps
+        self._skips.seen = accumulator.stats.skipped_steps
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -708,16 +353,12 @@ class GradientAccumulationLogic(_LogicBase):
             self._discard_window(
                 trainer, "the previous epoch ended inside it, e.g. `on_train_batch_start` returned -1"
             )
-        assert self._run_plan is not None
-        self._apply_k(trainer, self._run_plan.for_epoch(trainer.current_epoch))
+        self._apply_k(trainer)
 
-    def _apply_k(self, trainer: pl.Trainer, k: int | None) -> None:
-        if k is None:  # target batch size not resolved yet: resolved in `on_train_start`
-            return
-        trainer.accumulate_grad_batches = k
-        self._applied_k = k
-        self._applied_to = weakref.ref(trainer)
-        if self._accumulator is not None:  # both raise if a window were open
+    def _apply_k(self, trainer: pl.Trainer) -> None:
+        """Write the K of the current epoch into the Trainer and the accumulator (none while unresolved)."""
+        k = self._k.apply(trainer)
+        if k is not None and self._accumulator is not None:  # both raise if a window were open
             self._accumulator.accumulation_steps = k
             self._accumulator.loss_scale = 1.0 / k
 
@@ -726,10 +367,10 @@ class GradientAccumulationLogic(_LogicBase):
 
         Looked at after every backward and before every step: the module may add one in any hook.
         """
-        signature = _param_groups_signature(trainer)
+        signature = param_groups_signature(trainer)
         if signature != self._signature:
             assert self._accumulator is not None
-            self._accumulator.track(_optimized_parameters(trainer, pl_module))
+            self._accumulator.track(optimized_parameters(trainer, pl_module))
             self._signature = signature
 
     def _discard_window(self, trainer: pl.Trainer, why: str) -> None:
@@ -741,7 +382,7 @@ class GradientAccumulationLogic(_LogicBase):
             f" window (global step {trainer.global_step})."
         )
         self._accumulator.reset(set_grads_to_none=True)
-        self._sync.drop_unsynced()  # and what FSDP holds unsynced (`sharded_reduction="window_end"`)
+        self._sync.fsdp.drop_unsynced()  # and what FSDP holds unsynced (`sharded_reduction="window_end"`)
 
     # --------------------------------------------------------------------------------- per micro-batch
 
@@ -751,81 +392,63 @@ class GradientAccumulationLogic(_LogicBase):
     ) -> None:
         accumulator = self._accumulator
         assert accumulator is not None
-        self._stepped = self._backward_in_batch = self._finalized_in_batch = self._last_backward = False
-        self._recorded_in_open_batch = False
+        self._batch = current = _Batch()
         if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
             self._follow_param_groups(trainer, pl_module)  # window measures the new set from its start
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
-        if not trainer.fit_loop._skip_backward:
+        if not internals.backward_skipped(trainer):
             if not accumulator.window.empty and lightning_zeroes:
                 self._discard_window(trainer, f"Lightning starts a new window at batch {batch_idx}")
             elif accumulator.window.empty and not lightning_zeroes:
                 # A window opening where Lightning does not zero the gradients (the batch before was None
                 # from the dataloader, which skips every hook): it must not start from the last one's.
                 accumulator.reset(set_grads_to_none=True)
-        self._pending_error = None
-        self._pending_items = None
-        if self.item_count_fn is not None:
-            self._pending_label = f"the item count of batch {batch_idx} (from `item_count_fn`)"
-            self._pending_items = self.item_count_fn(batch)
-            return
-        self._pending_label = f"the batch size of batch {batch_idx}"
-        if self.settings.scaling == "weighted":
-            try:
-                self._pending_items = unambiguous_batch_size(batch)
-            except ValueError as error:  # raised at the boundary, on every rank together
-                self._pending_error = (
-                    f"`scaling='weighted'` needs the item count of every batch, but the batch size of batch"
-                    f" {batch_idx} is ambiguous: {error}. Pass `item_count_fn=` (batch -> number of items)"
-                )
-            return
-        try:
-            self._pending_items = _inferred_batch_size(batch, self._api.extract_batch_size)
-        except Exception as error:
-            if not self._warned_no_items:
-                self._warned_no_items = True
-                self._api.rank_zero_warn(
-                    f"Could not infer the batch size of batch {batch_idx} ({error}); the `items_last_step`"
-                    " statistic will not count such batches. Scaling is unaffected."
-                )
+        weighted = self.settings.scaling == "weighted"
+        counted = count_micro_batch(
+            batch, batch_idx, self.item_count_fn, weighted, self._api.extract_batch_size
+        )
+        current.items, current.label, current.error = counted.items, counted.label, counted.error
+        if counted.warning is not None and not self._warned_no_items:
+            self._warned_no_items = True
+            self._api.rank_zero_warn(counted.warning)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        accumulator = self._accumulator
+        accumulator, current = self._accumulator, self._batch
         assert accumulator is not None
         count = accumulator.weigh(
-            self._pending_items, loss_dtype=loss.dtype, label=self._pending_label, error=self._pending_error
+            current.items, loss_dtype=loss.dtype, label=current.label, error=current.error
         )
-        self._pending_count = count
+        current.count = count
         weighted = self.settings.scaling == "weighted"
         # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed.
         # It is recorded as is (the core divides K and the AMP scale out once per window); only a loss about
         # to be weighted in place needs a copy.
-        self._pending_loss = loss.detach().clone() if weighted else loss.detach()
+        current.loss = loss.detach().clone() if weighted else loss.detach()
         count.weigh_loss(loss, in_place=True)
         accumulator.begin_backward()  # noise_scale: only this backward's gradients are this micro-batch's
-        synchronizing = self._sync.defers or self._flush_before_last_backward or self._scaler is not None
+        sync = self._sync
+        synchronizing = sync.fsdp.defers or sync.flush_before_last_backward or self._scaler is not None
         # whether this backward ends the window (asked only where it matters: a private Lightning call)
-        self._last_backward = last = synchronizing and not _should_accumulate(trainer)
-        self._sync.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
-        if last and self._flush_before_last_backward:
+        current.last_backward = last = synchronizing and not internals.should_accumulate(trainer)
+        sync.fsdp.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
+        if last and sync.flush_before_last_backward:
             accumulator.flush_to_grad()  # DDP's one all-reduce then carries the whole window
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._accumulator is not None
-        self._sync.after_backward()
+        current = self._batch
+        self._sync.fsdp.after_backward()
         self._follow_param_groups(trainer, pl_module)
-        self._accumulator.record(
-            self._pending_count, self._pending_loss, reevaluation=self._finalized_in_batch
-        )
-        self._recorded_in_open_batch = True  # until `on_train_batch_end`: a save now is mid-batch
-        if self._last_backward and self._scaler is not None:
+        self._accumulator.record(current.count, current.loss, reevaluation=current.finalized)
+        current.recorded = True  # until `on_train_batch_end`: a save now is mid-batch
+        if current.last_backward and self._scaler is not None:
             # after the last micro-batch went through the buffers (checked and clipped on its own): the
             # scaler unscales and checks `.grad` before `on_before_optimizer_step`
             self._accumulator.flush_to_grad()
-        self._backward_in_batch = True
-        self._pending_loss = self._pending_count = None
+        current.backward_ran = True
+        current.loss = current.count = None
 
     # ---------------------------------------------------------------------------------------- boundary
 
@@ -833,129 +456,83 @@ class GradientAccumulationLogic(_LogicBase):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        accumulator = self._accumulator
+        accumulator, current, scaler = self._accumulator, self._batch, self._scaler
         assert accumulator is not None
         self._follow_param_groups(trainer, pl_module)
+        if not current.backward_ran and not accumulator.window.empty:
+            compat.check_window_can_end(self._sync.fsdp, self.sharded_reduction)
         # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned
         # None: the window's earlier micro-batches would be dropped. The callback steps it itself.
-        if self._sync.defers and not self._backward_in_batch and not accumulator.window.empty:
-            raise RuntimeError(
-                f"With `sharded_reduction={self.sharded_reduction!r}` the window's gradients are reduced by"
-                " its last backward, but the batch that ends this window ran none (`training_step` returned"
-                " None): the window cannot be completed. Use `sharded_reduction='every_micro_batch'` with"
-                " such data."
-            )
         steps_itself = (
-            self._scaler is not None
-            and not self._backward_in_batch
+            scaler is not None
+            and not current.backward_ran
             and not accumulator.window.empty
-            and not self._finalized_in_batch
+            and not current.finalized
         )
         if steps_itself:
-            assert self._scaler is not None
-            if getattr(self._scaler, "_scale", True) is None:
-                # no loss scaled in this fit yet (a window restored from a checkpoint, the rest `None`):
-                # the scale it loaded waits in `_init_scale` until the first `scale()`
-                self._scaler._lazy_init_scale_growth_tracker(torch.device(self._scaler._device))
+            assert scaler is not None
+            internals.init_scaler_scale(scaler)  # none yet if no loss was scaled in this fit (a resume)
             accumulator.flush_to_grad()  # the scaler unscales and checks `.grad`
-            self._scaler.unscale_(optimizer)
+            scaler.unscale_(optimizer)
         # Logged at this batch's end: the statistics then come along in the step's one sync.
-        logs = self.log_stats and trainer._logger_connector.should_update_logs
-        stepped = accumulator.finalize(reevaluation=self._finalized_in_batch, read_statistics=logs)
-        self._finalized_in_batch = self._stepped = True
-        if self._ddp_without_sync is not None:  # buffers sync at the next forward, as after a synced pass
-            self._ddp_without_sync.require_forward_param_sync = True
+        logs = self.log_stats and internals.logs_this_step(trainer)
+        stepped = accumulator.finalize(reevaluation=current.finalized, read_statistics=logs)
+        current.finalized = True
+        self._sync.after_step()
         if steps_itself:
-            assert self._scaler is not None
+            assert scaler is not None
             if stepped:  # Lightning's clipping (and the module's hook), before the step it would miss
-                trainer.precision_plugin._clip_gradients(
-                    pl_module, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
-                )
-            self._scaler.step(optimizer)
-            self._scaler.update()
-        if stepped and not steps_itself:
+                internals.clip_as_lightning(trainer, pl_module, optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+        elif stepped:
             return
-        if not stepped:
-            skipped = accumulator.stats.skipped_steps  # a sync, on this rare path only
-            if skipped > self._skipped_seen:
-                self._warn_skip(trainer, skipped)
-            self._skipped_seen = skipped
+        if not stepped:  # `skipped_steps` syncs, on this rare path only
+            self._skips.update(accumulator.stats.skipped_steps, trainer.global_step, self._api.rank_zero_warn)
         # Lightning clips after this hook (`gradient_clip_val`, or `configure_gradient_clipping`): by value
         # it crashes on a list with no gradient at all, and a window the callback stepped itself
         # was clipped before its step. Both go through the precision plugin, paused until the batch ends.
-        self._pause_clipping(trainer)
-
-    def _pause_clipping(self, trainer: pl.Trainer) -> None:
-        plugin = trainer.precision_plugin
-
-        def no_clipping(*args: Any, **kwargs: Any) -> None:
-            return None
-
-        if self._clipping_paused is plugin:
-            return
-        self._own_clip_gradients = plugin.__dict__.get("clip_gradients")
-        plugin.clip_gradients = no_clipping  # type: ignore[method-assign]  # an instance attribute
-        self._clipping_paused = plugin
-
-    def _warn_skip(self, trainer: pl.Trainer, skipped: int) -> None:
-        if skipped >= 2 * self._skips_warned or skipped == 1:  # 1, 2, 4, 8, ...: rate-limited
-            self._skips_warned = max(skipped, 1)
-            self._api.rank_zero_warn(
-                f"Non-finite gradient at global step {trainer.global_step}: the optimizer step was skipped"
-                f" ({skipped} skipped so far). Parameters and optimizer state are unchanged; `global_step`"
-                " and step-interval LR schedulers still advance."
-            )
+        paused = self._paused_clipping
+        if paused is None or paused.plugin is not trainer.precision_plugin:
+            self._paused_clipping = internals.pause_clipping(trainer.precision_plugin)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._recorded_in_open_batch = False
-        if not self._stepped:
+        self._batch.recorded = False
+        if not self._batch.finalized:
             return
         self._resume_clipping()
-        if self.log_stats and trainer._logger_connector.should_update_logs:
+        if self.log_stats and internals.logs_this_step(trainer):
             # into `callback_metrics` without a logger too: `ddp_spawn` returns those to the launcher
             logger = bool(trainer.loggers)
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1, logger=logger)
 
     def metrics(self) -> dict[str, float]:
         """The logged scalars: ``LOGGED_STATISTICS`` and ``window_loss``, under ``grad_accum/``."""
-        if self._accumulator is None:
-            return {}
-        stats = self._accumulator.stats.as_dict()
-        names = LOGGED_STATISTICS + (NOISE_STATISTICS if self.settings.noise_scale else ())
-        logged = {f"grad_accum/{name}": float(stats[name]) for name in names}
-        logged["grad_accum/window_loss"] = self._accumulator.window_loss
-        return logged
+        return step_metrics(self._accumulator, noise_scale=self.settings.noise_scale)
 
     def _resume_clipping(self) -> None:
-        plugin, self._clipping_paused = self._clipping_paused, None
-        if plugin is None:
-            return
-        if self._own_clip_gradients is not None:
-            plugin.clip_gradients = self._own_clip_gradients
-            self._own_clip_gradients = None
-        else:
-            del plugin.clip_gradients  # the class's method again
+        paused, self._paused_clipping = self._paused_clipping, None
+        if paused is not None:
+            paused.resume()
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self._resume_clipping()
-        self._restore_ddp_sync()
         if self._accumulator is not None:  # its open window stays for a checkpoint saved after this hook
             self._accumulator.remove_hooks()  # (`OnExceptionCheckpoint`); the next `fit` discards it
         # With sync off FSDP keeps a window's gradients unsharded inside itself, where neither `zero_grad`
         # nor the next window would clear them: the next synced backward would add them in.
-        self._sync.restore(discard=True)
+        self._sync.end(discard=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log_dir = trainer.logger.log_dir if trainer.logger is not None else None
-        self._restore_ddp_sync()
-        self._sync.restore(discard=self._accumulator is not None and not self._accumulator.window.empty)
+        self._sync.end(discard=self._accumulator is not None and not self._accumulator.window.empty)
         if self._accumulator is not None and not self._accumulator.window.empty:
             self._api.rank_zero_warn(
                 f"Training ended inside a window: {self._accumulator.window.micro_batches} micro-batch(es)"
@@ -965,12 +542,6 @@ class GradientAccumulationLogic(_LogicBase):
         if self._accumulator is not None:
             self._accumulator.remove_hooks()
 
-    def _restore_ddp_sync(self) -> None:
-        """DDP's own gradient sync again, after a fit that turned it off (per-micro-batch modes)."""
-        ddp, self._ddp_without_sync = self._ddp_without_sync, None
-        if ddp is not None:
-            ddp.require_backward_grad_sync = True
-
     # ------------------------------------------------------------------------------------- checkpoint
 
     @override
@@ -979,39 +550,14 @@ class GradientAccumulationLogic(_LogicBase):
 
         Under DDP this sums the open window over ranks (every rank takes part, as in every Lightning save).
         """
-        accumulator = self._accumulator
-        window = accumulator.window_state_dict() if accumulator is not None else None
-        if window is not None and self._recorded_in_open_batch:
-            self._api.rank_zero_warn(
-                "This checkpoint is taken after a micro-batch's backward but before its batch ended (an"
-                " exception in a later hook of the batch, saved by `OnExceptionCheckpoint`?): the saved"
-                " window holds that micro-batch, while Lightning restarts the batch's index when it resumes,"
-                " so a resume from it is not exact. Checkpoints taken at a batch's end resume exactly."
-            )
-        return {
-            "version": FORMAT_VERSION,
-            "accumulator": accumulator.state_dict() if accumulator is not None else None,
-            "window": window,
-        }
+        warn = self._api.rank_zero_warn
+        return SavedState.save(self._accumulator, mid_batch=self._batch.recorded, warn=warn)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._stage not in (None, "fit"):  # validate/test/predict(ckpt_path=...) never train: keep nothing
             return
-        if state_dict.get("version") != FORMAT_VERSION:
-            raise ValueError(
-                f"Cannot load `GradientAccumulationCallback` state of version {state_dict.get('version')!r};"
-                f" this version reads {FORMAT_VERSION}."
-            )
-        self._loaded_state = state_dict.get("accumulator")
-        self._loaded_window = state_dict.get("window")
-
-    def _restore_window(self, trainer: pl.Trainer, accumulator: GradAccumulator) -> None:
-        """Re-open the window a mid-window checkpoint saved (on rank 0; other ranks start from zero)."""
-        window, self._loaded_window = self._loaded_window, None
-        if window is None:
-            return
-        accumulator.load_window_state_dict(window, primary=trainer.global_rank == 0)
+        self._saved.load(state_dict)
 
 
 class GradientAccumulationCallback(GradientAccumulationLogic, pl.Callback):

@@ -31,7 +31,8 @@ from typing import Any
 import yaml
 from jsonargparse import get_loader, set_loader
 
-from .callback import SCHEDULER_CONFLICT, GradientAccumulationLogic
+from .callback import GradientAccumulationLogic
+from .compatibility import SCHEDULER_CONFLICT
 from .namespaces import LIGHTNING, NAMESPACES, PYTORCH_LIGHTNING, installed, namespace_of
 
 NAMESPACE_FLAG = "--namespace"

@@ -1,7 +1,10 @@
-"""Ready ``item_count_fn`` counters for ``scaling="weighted"``, usable as import paths in YAML.
+"""How many items a micro-batch holds: ready ``item_count_fn`` counters, and the callback's own counts.
 
-Each returns the number of items a micro-batch's loss is a mean over. Tensor results stay on the
-device: counting never syncs with the host.
+The ready counters for ``scaling="weighted"`` (usable as import paths in YAML) each return the number of
+items a micro-batch's loss is a mean over. Tensor results stay on the device: counting never syncs with
+the host. Without an ``item_count_fn`` the callback counts with :func:`unambiguous_batch_size`
+(``"weighted"``) or :func:`inferred_batch_size` (the statistics only). Each walks through a batch with
+:func:`tensors`, except where Lightning's own inference is the point.
 
 Which token counter fits depends on where the labels are shifted. A loss computed on labels that are
 already aligned with the logits (``cross_entropy(logits, labels)``) averages over every label that is not
@@ -22,35 +25,175 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
 IGNORE_INDEX = -100
 
 
-def _first_tensor(batch: Any) -> Tensor | None:
+# The callback's default counts live here rather than in a module of their own: `unambiguous_batch_size` is
+# itself a counter (the default of "weighted"), and all of them share one walk through the batch.
+def tensors(batch: Any) -> Iterator[Tensor]:
+    """Every tensor in a batch, in order: through mappings, sequences (namedtuples too) and dataclasses.
+
+    The one walk of this module. It goes through any ``Sequence`` but a string, so that both walks it
+    replaced (lists and tuples only; sequences but no dataclasses) still find every tensor they found.
+
+    Example:
+        >>> import torch
+        >>> [t.shape for t in tensors({"x": torch.zeros(2, 3), "y": [torch.zeros(2), "text"]})]
+        [torch.Size([2, 3]), torch.Size([2])]
+    """
     if isinstance(batch, Tensor):
-        return batch
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, type({}.values()))):
-        return None
-    for value in values:
-        found = _first_tensor(value)
-        if found is not None:
-            return found
-    return None
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from tensors(value)
+    elif isinstance(batch, Sequence) and not isinstance(batch, (str, bytes, bytearray)):
+        for value in batch:
+            yield from tensors(value)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for field in dataclasses.fields(batch):
+            yield from tensors(getattr(batch, field.name))
 
 
 def count_samples(batch: Any) -> int:
     """Samples in a batch: the length of its first tensor (a tensor, a sequence or a mapping of them)."""
-    tensor = _first_tensor(batch)
+    tensor = next(tensors(batch), None)
     if tensor is None or tensor.dim() == 0:
         raise ValueError(
             f"`count_samples` found no batched tensor in a batch of type {type(batch).__name__}."
         )
     return len(tensor)
+
+
+def unambiguous_batch_size(batch: Any) -> int:
+    """The batch size, when every tensor of the batch agrees on it; else ``ValueError`` saying why.
+
+    Lightning's inference takes the first tensor it finds, which silently gives 1 for a batch that starts
+    with a scalar (e.g. a namedtuple whose first field is a sequence length). ``scaling="weighted"`` weights
+    every micro-batch by this number, so a guess is not good enough.
+
+    Example:
+        >>> import torch
+        >>> unambiguous_batch_size((torch.zeros(4, 3), torch.zeros(4)))
+        4
+    """
+    sizes: set[int] = set()
+    for tensor in tensors(batch):
+        if tensor.dim() == 0:
+            raise ValueError("it holds a 0-dimensional tensor, which has no batch dimension")
+        sizes.add(len(tensor))
+    if not sizes:
+        raise ValueError(f"it holds no tensor ({type(batch).__name__})")
+    if len(sizes) > 1:
+        raise ValueError(f"its tensors disagree on the first dimension ({sorted(sizes)})")
+    return sizes.pop()
+
+
+def inferred_batch_size(batch: Any, extract_batch_size: Callable[[Any], int]) -> int:
+    """The batch size Lightning infers, the length of the first tensor: for the ``items_last_step`` statistic.
+
+    A fast path covers ``(inputs, targets)``, tensor and dict batches, since this runs on every micro-batch;
+    anything else goes through ``extract_batch_size`` (Lightning's own walk, about 10 µs per micro-batch), so
+    that the count is exactly Lightning's.
+    """
+    first = batch
+    if isinstance(batch, (list, tuple)) and batch:
+        first = batch[0]
+    elif isinstance(batch, dict) and batch:
+        first = next(iter(batch.values()))
+    if isinstance(first, Tensor) and first.dim() > 0:
+        return len(first)
+    return extract_batch_size(batch)
+
+
+def check_item_count_fn(item_count_fn: Any, *, weighted: bool, scaling: str) -> None:
+    """Refuse an ``item_count_fn`` that is not callable, or one given without ``scaling="weighted"``.
+
+    Args:
+        item_count_fn: The callback's argument (``None``: none given).
+        weighted: Whether the scaling is ``"weighted"`` (aliases resolved).
+        scaling: The ``scaling`` argument as given, for the message.
+    """
+    if item_count_fn is None:
+        return
+    if not callable(item_count_fn):
+        raise TypeError(
+            f"Expected argument `item_count_fn` to be callable (batch -> number), but got {item_count_fn!r}."
+        )
+    if not weighted:
+        raise ValueError(
+            f"Argument `item_count_fn` is only used with `scaling='weighted'`, but got"
+            f" scaling={scaling!r}. Set `scaling='weighted'` or remove `item_count_fn`."
+        )
+
+
+class MicroBatchCount(NamedTuple):
+    """A micro-batch's item count as the callback takes it (:func:`count_micro_batch`)."""
+
+    items: Any  # a number or a tensor; None: unknown
+    label: str  # how the core's messages name the count
+    error: str | None = None  # under "weighted": why `items` is unknown (raised at the window's end)
+    warning: str | None = None  # otherwise: that Lightning's inference failed (only statistics miss it)
+
+
+def count_micro_batch(
+    batch: Any,
+    batch_idx: int,
+    item_count_fn: Callable[[Any], Any] | None,
+    weighted: bool,
+    extract_batch_size: Callable[[Any], int],
+) -> MicroBatchCount:
+    """The callback's item count of a micro-batch: ``item_count_fn``, else the batch size.
+
+    Under ``scaling="weighted"`` the batch size must be unambiguous: an ambiguous one is returned as an
+    error for the core, which raises it at the window's end, on every rank together. Otherwise the count
+    only feeds the statistics and is the batch size Lightning infers.
+
+    Args:
+        batch: The micro-batch.
+        batch_idx: Its index, for the messages.
+        item_count_fn: The user's counter, or ``None``; what it raises propagates.
+        weighted: Whether the scaling is ``"weighted"``.
+        extract_batch_size: Lightning's inference, for batches the fast path does not cover.
+
+    Example:
+        >>> import torch
+        >>> count_micro_batch((torch.zeros(4, 3), torch.zeros(4)), 7, None, True, len)
+        MicroBatchCount(items=4, label='the batch size of batch 7', error=None, warning=None)
+    """
+    if item_count_fn is not None:
+        return MicroBatchCount(
+            item_count_fn(batch), f"the item count of batch {batch_idx} (from `item_count_fn`)"
+        )
+    label = f"the batch size of batch {batch_idx}"
+    if weighted:
+        try:
+            return MicroBatchCount(unambiguous_batch_size(batch), label)
+        except ValueError as error:
+            return MicroBatchCount(
+                None,
+                label,
+                error=(
+                    f"`scaling='weighted'` needs the item count of every batch, but the batch size of batch"
+                    f" {batch_idx} is ambiguous: {error}. Pass `item_count_fn=` (batch -> number of items)"
+                ),
+            )
+    try:
+        return MicroBatchCount(inferred_batch_size(batch, extract_batch_size), label)
+    except Exception as error:
+        return MicroBatchCount(
+            None,
+            label,
+            warning=(
+                f"Could not infer the batch size of batch {batch_idx} ({error}); the `items_last_step`"
+                " statistic will not count such batches. Scaling is unaffected."
+            ),
+        )
 
 
 def _labels(batch: Any, counter: str) -> Tensor:

@@ -63,6 +63,20 @@ def drop_unsynced_fsdp2(module: Any) -> None:
 REDUCTIONS = ("every_micro_batch", "window_end", "replicas_at_window_end")
 
 
+def check_reduction(reduction: Any) -> str:
+    """The callback's ``sharded_reduction`` argument, if it is one of :data:`REDUCTIONS`.
+
+    Example:
+        >>> check_reduction("window_end")
+        'window_end'
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(
+            f"Expected argument `sharded_reduction` to be one of {list(REDUCTIONS)}, but got {reduction!r}."
+        )
+    return str(reduction)
+
+
 def is_replicated(module: Any) -> bool:
     """Whether an FSDP2 module shards over an HSDP mesh (a replicate and a shard dimension)."""
     meshes = [getattr(param, "device_mesh", None) for param in module.parameters()]

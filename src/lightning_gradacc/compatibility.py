@@ -1,0 +1,316 @@
+"""The run compatibility checks of the callback: what ``trainer/configuration_validator.py`` is for Lightning.
+
+Each function raises (a configuration the callback cannot accumulate exactly) or warns (one that works, but
+not as its author may expect). The callback's hooks call them where the facts they check are known:
+``setup`` (the Trainer, the module, the precision), ``on_train_start`` (the optimizers, the wrapped model).
+None imports Lightning: the classes come from the Trainer's own namespace (``api``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import lightning_internals as internals
+from .namespaces import CALLBACK_IMPORTS, LightningNamespace, namespace_of
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+    from .core.validation import AccumulationSettings
+    from .sharded_sync import ShardedSync
+
+SCHEDULER_CONFLICT = (
+    "You are using Lightning's `GradientAccumulationScheduler` and `GradientAccumulationCallback`. Remove the"
+    " scheduler and pass its schedule as `GradientAccumulationCallback(accumulation_steps={epoch: K})`."
+)
+
+
+def _accumulates(largest_k: int | None) -> bool:
+    """Whether a plan whose largest K is ``largest_k`` may accumulate (``None``: a target yet unresolved)."""
+    return largest_k is None or largest_k > 1
+
+
+# ---------------------------------------------------------------------------------------------- setup
+
+
+def check_namespace(trainer: pl.Trainer, callback_namespace: str) -> None:
+    """Refuse a Trainer of the other Lightning namespace, which would not treat the callback as one."""
+    trainer_namespace = namespace_of(trainer)
+    if trainer_namespace is not None and trainer_namespace != callback_namespace:
+        raise RuntimeError(
+            f"This `GradientAccumulationCallback` is for `{callback_namespace}`, but the Trainer is a"
+            f" `{trainer_namespace}` Trainer: the two are separate class trees, so Lightning would run"
+            f" the callback without treating it as one. Use `{CALLBACK_IMPORTS[trainer_namespace]}`."
+        )
+
+
+def check_automatic_optimization(pl_module: pl.LightningModule) -> None:
+    """Refuse manual optimization: the callback works through Lightning's automatic loop."""
+    if not pl_module.automatic_optimization:
+        raise RuntimeError(
+            "`GradientAccumulationCallback` works with automatic optimization only. With"
+            " `automatic_optimization=False`, use `lightning_gradacc.GradAccumulator` in your"
+            " `training_step` (it does the same math) and remove the callback."
+        )
+
+
+def check_strategy(api: LightningNamespace, trainer: pl.Trainer) -> None:
+    """Refuse a strategy whose gradients the callback cannot normalize, clip and count.
+
+    A strategy that accumulates itself (DeepSpeed), one it does not know, FSDP without the original
+    parameters, and tensor parallelism (its ranks see the same data).
+    """
+    strategy = trainer.strategy
+    if strategy.handles_gradient_accumulation or "deepspeed" in type(strategy).__name__.lower():
+        raise RuntimeError(
+            f"`{type(strategy).__name__}` performs gradient accumulation itself (its config's"
+            " `gradient_accumulation_steps`). Remove `GradientAccumulationCallback` and configure"
+            " accumulation there."
+        )
+    supported = (
+        api.single_device_strategy,
+        api.ddp_strategy,
+        api.fsdp_strategy,
+        api.model_parallel_strategy,
+    )
+    if not isinstance(strategy, supported):
+        raise RuntimeError(
+            "`GradientAccumulationCallback` supports single-device, DDP, FSDP and ModelParallel (FSDP2)"
+            f" strategies, but the Trainer uses `{type(strategy).__name__}`, whose gradients it cannot"
+            " normalize and clip yet. Use `strategy='ddp'` or `strategy='fsdp'`, or"
+            " `ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)` with `fully_shard` in"
+            " `configure_model`, or remove the callback."
+        )
+    if isinstance(strategy, api.fsdp_strategy) and not internals.fsdp_uses_orig_params(strategy):
+        raise RuntimeError(
+            "`GradientAccumulationCallback` needs `FSDPStrategy(use_orig_params=True)` (Lightning's"
+            " default), but `use_orig_params=False` was passed: the optimizer then holds flat parameters"
+            " that mix many tensors, which neither per-parameter clipping nor the statistics can tell"
+            " apart."
+        )
+    tensor_parallel = internals.tensor_parallel_size(strategy)
+    if isinstance(strategy, api.model_parallel_strategy) and tensor_parallel != 1:
+        raise RuntimeError(
+            f"`GradientAccumulationCallback` supports `ModelParallelStrategy` with data parallelism only"
+            f" (FSDP2), but `tensor_parallel_size={tensor_parallel}`: ranks of a tensor-parallel group"
+            " see the same data, which item counts summed over every rank would count twice. Use"
+            f" `ModelParallelStrategy(data_parallel_size={trainer.world_size}, tensor_parallel_size=1)`."
+        )
+
+
+def check_callbacks(
+    api: LightningNamespace, callbacks: Sequence[Any], callback: object, callback_type: type
+) -> None:
+    """Refuse Lightning's ``GradientAccumulationScheduler`` and a second accumulation callback.
+
+    Args:
+        api: The Trainer's namespace.
+        callbacks: The Trainer's callbacks.
+        callback: The callback checking.
+        callback_type: The class every accumulation callback derives from (of either namespace).
+    """
+    for other in callbacks:
+        if isinstance(other, api.gradient_accumulation_scheduler) or (
+            type(other).__name__ == "GradientAccumulationScheduler"  # e.g. of the other namespace
+        ):
+            raise RuntimeError(SCHEDULER_CONFLICT)
+        if isinstance(other, callback_type) and other is not callback:
+            raise RuntimeError(
+                "Two `GradientAccumulationCallback` instances were passed to the Trainer. Keep one."
+            )
+
+
+def check_training_step(
+    api: LightningNamespace, pl_module: pl.LightningModule, largest_k: int | None, plan: str
+) -> None:
+    """Refuse ``training_step(dataloader_iter)`` when K may exceed 1: Lightning zeroes inside a window.
+
+    Args:
+        api: The Trainer's namespace.
+        pl_module: The module trained.
+        largest_k: The largest K of the fit (``None``: a target batch size not resolved yet).
+        plan: How K is chosen, for the message.
+    """
+    if _accumulates(largest_k) and api.is_param_in_hook_signature(
+        pl_module.training_step, "dataloader_iter", explicit=True
+    ):
+        raise RuntimeError(
+            "`training_step(self, dataloader_iter)` cannot accumulate gradients: Lightning then zeroes"
+            " them with a stale batch index, in the middle of a window (its built-in accumulation is"
+            " wrong there too). Use a `training_step(self, batch, batch_idx)` or K=1"
+            f" ({plan})."
+        )
+
+
+def warn_step_hooks_overridden(
+    api: LightningNamespace, pl_module: pl.LightningModule, largest_k: int | None
+) -> None:
+    """Warn that an overridden ``optimizer_step`` or ``optimizer_zero_grad`` runs once per window."""
+    if _accumulates(largest_k) and (
+        api.is_overridden("optimizer_step", pl_module) or api.is_overridden("optimizer_zero_grad", pl_module)
+    ):
+        api.rank_zero_warn(
+            "You override `LightningModule.optimizer_step` or `optimizer_zero_grad` and accumulate"
+            " gradients: these hooks are called once per optimizer step, not on every batch. The"
+            " callback normalizes the gradient in `on_before_optimizer_step`, which"
+            " `optimizer.step(closure)` runs; an override that steps without the closure, or zeroes"
+            " gradients elsewhere, breaks the window."
+        )
+
+
+def check_gradient_clip_val(
+    api: LightningNamespace, trainer: pl.Trainer, settings: AccumulationSettings
+) -> None:
+    """Refuse ``gradient_clip_val`` by norm under FSDP; warn when it clips on top of the callback."""
+    algorithm = trainer.gradient_clip_algorithm
+    if (
+        trainer.gradient_clip_val
+        and isinstance(trainer.strategy, api.fsdp_strategy)
+        and str(getattr(algorithm, "value", algorithm) or "norm") == "norm"
+    ):
+        raise RuntimeError(
+            f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})` clips by norm, which Lightning's"
+            " `FSDPStrategy` refuses at the first step (`FSDPPrecision.clip_grad_by_norm`). Remove it and"
+            f" pass `GradientAccumulationCallback(max_grad_norm={trainer.gradient_clip_val})`: it clips"
+            " the sharded gradients by their whole norm, once per optimizer step."
+        )
+    if trainer.gradient_clip_val and (settings.max_grad_norm is not None or settings.clip_value is not None):
+        api.rank_zero_warn(
+            f"Both `Trainer(gradient_clip_val={trainer.gradient_clip_val})` and the callback's clipping"
+            f" (max_grad_norm={settings.max_grad_norm}, clip_value={settings.clip_value}) are"
+            " set: the gradient is clipped twice. Remove `gradient_clip_val` from the Trainer."
+        )
+
+
+def check_grad_scaler(api: LightningNamespace, scaler: torch.amp.GradScaler | None, overflow: str) -> None:
+    """Under a GradScaler, refuse ``overflow='skip_micro_batch'`` and warn that other policies do nothing."""
+    if scaler is not None and overflow == "skip_micro_batch":
+        raise RuntimeError(
+            "`overflow='skip_micro_batch'` cannot be used with a GradScaler (`precision='16-mixed'`): the"
+            " scaler must see every overflow to lower its scale. Use `overflow='skip'` (the scaler skips"
+            " the window) or bf16."
+        )
+    if scaler is not None and overflow != "skip":
+        api.rank_zero_warn(
+            f"`overflow={overflow!r}` cannot take effect under a GradScaler"
+            " (`precision='16-mixed'`): the scaler skips steps with non-finite gradients and lowers its"
+            " scale; those overflows are counted in `non_finite_windows` and `skipped_steps`."
+        )
+
+
+# -------------------------------------------------------------------------------------- train start
+
+
+def check_optimizers(
+    trainer: pl.Trainer, largest_k: int | None, plan: str, stepping_batches: Callable[[Any], int | float]
+) -> None:
+    """Refuse LBFGS when accumulating, and a ``OneCycleLR`` built for fewer steps than the fit takes.
+
+    Args:
+        trainer: The Trainer, its optimizers and schedulers configured.
+        largest_k: The largest K of the fit.
+        plan: How K is chosen, for the messages.
+        stepping_batches: The exact number of optimizer steps of the fit (``trainer -> steps``).
+    """
+    if (largest_k or 1) > 1 and any(
+        isinstance(optimizer, torch.optim.LBFGS) for optimizer in trainer.optimizers
+    ):
+        raise RuntimeError(
+            "`torch.optim.LBFGS` evaluates its closure several times per step, and each evaluation"
+            " recomputes only the last micro-batch, so gradients cannot be accumulated over micro-batches"
+            f" ({plan}). Use K=1 with LBFGS."
+        )
+    if trainer.global_step:  # a resumed scheduler carries the total it was built with
+        return
+    for config in trainer.lr_scheduler_configs:
+        scheduler = config.scheduler
+        if config.interval != "step" or not isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
+            continue
+        needed = stepping_batches(trainer)
+        if needed != float("inf") and needed // config.frequency > scheduler.total_steps:
+            raise RuntimeError(
+                f"`OneCycleLR(total_steps={scheduler.total_steps})` would fail at step"
+                f" {scheduler.total_steps + 1}: this fit takes {int(needed)} optimizer steps with"
+                f" {plan}, and `trainer.estimated_stepping_batches` does not follow an"
+                " epoch schedule. Build it with `total_steps=estimated_stepping_batches(self.trainer)`"
+                " (`from lightning_gradacc import estimated_stepping_batches`)."
+            )
+
+
+def check_sharded_reduction(
+    api: LightningNamespace,
+    sync: ShardedSync,
+    reduction: str,
+    settings: AccumulationSettings,
+    per_micro_batch: bool,
+) -> None:
+    """Refuse per-micro-batch modes and buffers when FSDP defers its reduction; warn when nothing defers.
+
+    Args:
+        api: The Trainer's namespace.
+        sync: When FSDP reduces, as built for the wrapped model.
+        reduction: The callback's ``sharded_reduction``.
+        settings: The callback's settings.
+        per_micro_batch: Whether a mode checks each micro-batch's gradient (``overflow='skip_micro_batch'``
+            or ``clip_mode='micro_batch'``).
+    """
+    if sync.defers and per_micro_batch:
+        raise RuntimeError(
+            "`overflow='skip_micro_batch'` and `clip_mode='micro_batch'` check each micro-batch's reduced"
+            f" gradient, but with `sharded_reduction={reduction!r}` FSDP holds it unsynced"
+            " until the window's last backward. Use `sharded_reduction='every_micro_batch'`."
+        )
+    if sync.defers and settings.accumulation_dtype is not None:
+        raise RuntimeError(
+            f"`accumulation_dtype={settings.accumulation_dtype}` cannot take effect with"
+            f" `sharded_reduction={reduction!r}`: FSDP then accumulates the window's"
+            " gradients inside itself and `.grad` receives the window only at its last backward, so the"
+            " buffers would never see a micro-batch. Use `sharded_reduction='every_micro_batch'` with"
+            " buffers, or (FSDP2) accumulate in float32 inside FSDP with"
+            " `fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))`."
+        )
+    if reduction != "every_micro_batch" and not sync.defers:
+        if sync.sharded:  # "replicas_at_window_end" on FSDP2 without a replicate dimension
+            reason = (
+                "no module is sharded over an HSDP mesh (a replicate and a shard dimension), so there is"
+                " no all-reduce across replicas to defer. Use 'window_end' to defer the reduce-scatter."
+            )
+        else:
+            reason = "no module is sharded by FSDP (DDP already reduces once per window)."
+        api.rank_zero_warn(f"`sharded_reduction={reduction!r}` has no effect: {reason}")
+
+
+def check_window_can_end(sync: ShardedSync, reduction: str) -> None:
+    """Refuse to end a window whose last batch ran no backward while FSDP defers its reduction to it."""
+    if sync.defers:
+        raise RuntimeError(
+            f"With `sharded_reduction={reduction!r}` the window's gradients are reduced by"
+            " its last backward, but the batch that ends this window ran none (`training_step` returned"
+            " None): the window cannot be completed. Use `sharded_reduction='every_micro_batch'` with"
+            " such data."
+        )
+
+
+def warn_ddp_comm_hook(api: LightningNamespace, strategy: Any) -> None:
+    """Warn that a DDP communication hook does not run while DDP's sync is off for the fit."""
+    if internals.ddp_comm_hook(strategy) is not None:
+        api.rank_zero_warn(
+            "`DDPStrategy(ddp_comm_hook=...)` does not run with `clip_mode='micro_batch'` or"
+            " `overflow='skip_micro_batch'`: no backward syncs through DDP there (each micro-batch"
+            " must be checked on its own first); the window is averaged over the ranks with one"
+            " plain all-reduce of the accumulation buffers at its end."
+        )
+
+
+def warn_noise_scale_unmeasurable(
+    api: LightningNamespace, settings: AccumulationSettings, k: int, world_size: int
+) -> None:
+    """Warn that ``noise_scale=True`` measures nothing with a single micro-batch per window."""
+    if settings.noise_scale and k * world_size < 2:
+        api.rank_zero_warn(
+            f"`noise_scale=True` needs at least 2 micro-batches per window, but K={k} on {world_size}"
+            " rank(s) gives 1: no estimate is made while K stays at 1."
+        )

@@ -1,0 +1,183 @@
+"""Every private or undocumented attribute of Lightning, the GradScaler and DDP that the callback relies on.
+
+One small function each, so that a Lightning (or torch) upgrade that moves one of them breaks here, in one
+place. The comments name what each relies on, in the sources of Lightning 2.6 (``pytorch_lightning`` and
+``lightning.pytorch`` are the same code; paths are relative to either package) and torch 2.x. Nothing here
+imports Lightning: the functions work on the objects of either namespace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from torch.nn.parallel import DistributedDataParallel
+
+# ----------------------------------------------------------------------------------------------- loops
+
+
+def should_accumulate(trainer: pl.Trainer) -> bool:
+    """Whether the current micro-batch does not end a window: Lightning's own test.
+
+    ``_FitLoop._should_accumulate`` (``loops/fit_loop.py``, which asks ``loops/training_epoch_loop.py``):
+    what ``loops/optimization/automatic.py`` asks before it steps, so the callback and Lightning agree on
+    where a window ends, the epoch's last batch included.
+    """
+    return bool(trainer.fit_loop._should_accumulate())
+
+
+def backward_skipped(trainer: pl.Trainer) -> bool:
+    """Whether Lightning runs neither ``zero_grad`` nor ``backward`` in this batch.
+
+    ``_FitLoop._skip_backward`` (``loops/fit_loop.py``, forwarded to ``loops/optimization/automatic.py``,
+    whose ``_make_zero_grad_fn`` then returns ``None``); ``StochasticWeightAveraging`` sets it
+    (``callbacks/stochastic_weight_avg.py``).
+    """
+    return bool(trainer.fit_loop._skip_backward)
+
+
+def load_train_data(trainer: pl.Trainer) -> None:
+    """Load the train dataloader now, as ``trainer.estimated_stepping_batches`` does (once per fit).
+
+    ``_FitLoop.setup_data`` (``loops/fit_loop.py``; ``trainer/trainer.py`` calls it for the estimate). On
+    an error it forgets ``_FitLoop._combined_loader``: a half-built loader would be kept, and the fit would
+    not load it again.
+
+    Raises:
+        Exception: Whatever loading raised (e.g. data built in ``LightningModule.setup``, not yet run).
+    """
+    try:
+        trainer.fit_loop.setup_data()
+    except Exception:
+        trainer.fit_loop._combined_loader = None
+        raise
+
+
+def logs_this_step(trainer: pl.Trainer) -> bool:
+    """Whether ``self.log(on_step=True)`` values reach the loggers at this step (``log_every_n_steps``).
+
+    ``_LoggerConnector.should_update_logs`` (``trainer/connectors/logger_connector/logger_connector.py``),
+    which Lightning's own ``LearningRateMonitor`` and ``ThroughputMonitor`` ask too.
+    """
+    return bool(trainer._logger_connector.should_update_logs)
+
+
+# -------------------------------------------------------------------------------------------- clipping
+
+
+def clip_as_lightning(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    """Clip as Lightning does after ``on_before_optimizer_step``: ``configure_gradient_clipping``.
+
+    ``Precision._clip_gradients`` (``plugins/precision/precision.py``, called by ``_after_closure``), for a
+    step the callback takes itself, which Lightning's own path would not clip.
+    """
+    trainer.precision_plugin._clip_gradients(
+        pl_module, optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+    )
+
+
+def _no_clipping(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@dataclass
+class PausedClipping:
+    """Lightning's clipping of one precision plugin, paused by :func:`pause_clipping` until :meth:`resume`.
+
+    Attributes:
+        plugin: The precision plugin whose ``clip_gradients`` is replaced.
+        own: An instance attribute ``clip_gradients`` it had before (``None``: the class's method).
+    """
+
+    plugin: Any
+    own: Any
+
+    def resume(self) -> None:
+        """The plugin's own ``clip_gradients`` again."""
+        if self.own is not None:
+            self.plugin.clip_gradients = self.own
+        else:
+            del self.plugin.clip_gradients  # the class's method again
+
+
+def pause_clipping(plugin: Any) -> PausedClipping:
+    """Make the plugin's ``clip_gradients`` do nothing: an instance attribute over the class's method.
+
+    Every clipping Lightning does (``gradient_clip_val``, or a module's ``configure_gradient_clipping``
+    calling ``LightningModule.clip_gradients``, ``core/module.py``) goes through
+    ``Precision.clip_gradients`` (``plugins/precision/precision.py``).
+    """
+    paused = PausedClipping(plugin, plugin.__dict__.get("clip_gradients"))
+    plugin.clip_gradients = _no_clipping
+    return paused
+
+
+# ------------------------------------------------------------------------------------ precision, scaler
+
+
+def grad_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
+    """The GradScaler of ``precision="16-mixed"``, or ``None``.
+
+    ``MixedPrecision.scaler`` (``plugins/precision/amp.py``); other plugins have no ``scaler``.
+    """
+    return getattr(trainer.precision_plugin, "scaler", None)
+
+
+def init_scaler_scale(scaler: torch.amp.GradScaler) -> None:
+    """Create the scaler's scale tensor if no loss was scaled yet, so that ``unscale_`` works.
+
+    ``GradScaler._scale`` is ``None`` until the first ``scale()``, which calls
+    ``_lazy_init_scale_growth_tracker`` on ``_device`` from ``_init_scale`` (``torch/amp/grad_scaler.py``):
+    a scale loaded from a checkpoint waits there.
+    """
+    if getattr(scaler, "_scale", True) is None:
+        scaler._lazy_init_scale_growth_tracker(torch.device(scaler._device))
+
+
+# ---------------------------------------------------------------------------------------- strategies
+
+
+def fsdp_uses_orig_params(strategy: Any) -> bool:
+    """Whether an ``FSDPStrategy`` wraps with ``use_orig_params=True``.
+
+    ``FSDPStrategy.kwargs`` (``strategies/fsdp.py``), where it defaults ``use_orig_params`` to ``True``.
+    """
+    return bool(getattr(strategy, "kwargs", {}).get("use_orig_params", True))
+
+
+def tensor_parallel_size(strategy: Any) -> Any:
+    """A ``ModelParallelStrategy``'s tensor-parallel size (an int, or ``"auto"`` before its set-up).
+
+    ``ModelParallelStrategy._tensor_parallel_size`` (``strategies/model_parallel.py``); 1 for others.
+    """
+    return getattr(strategy, "_tensor_parallel_size", 1)
+
+
+def ddp_comm_hook(strategy: Any) -> Any:
+    """The ``ddp_comm_hook`` a ``DDPStrategy`` registers, or ``None``.
+
+    ``DDPStrategy._ddp_comm_hook`` (``strategies/ddp.py``).
+    """
+    return getattr(strategy, "_ddp_comm_hook", None)
+
+
+def set_ddp_backward_sync(ddp: DistributedDataParallel, enabled: bool) -> None:
+    """Turn DDP's gradient all-reduce on or off for every backward: ``no_sync()`` for a whole fit.
+
+    ``DistributedDataParallel.require_backward_grad_sync`` (``torch/nn/parallel/distributed.py``): the flag
+    ``no_sync()`` clears, read at each forward to prepare (or not) the reducer of the coming backward.
+    """
+    ddp.require_backward_grad_sync = enabled
+
+
+def sync_ddp_buffers_at_next_forward(ddp: DistributedDataParallel) -> None:
+    """Have DDP broadcast its buffers at the next forward, as after a backward that synced.
+
+    ``DistributedDataParallel.require_forward_param_sync`` (``torch/nn/parallel/distributed.py``): a
+    forward sets it when its backward will sync and clears it otherwise; the next forward reads it.
+    """
+    ddp.require_forward_param_sync = True
