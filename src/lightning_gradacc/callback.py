@@ -30,11 +30,10 @@ from . import compatibility as compat
 from . import lightning_internals as internals
 from .core import GradAccumulator
 from .core.validation import AccumulationSettings
-from .core.weighting import ItemCount
 from .counters import check_item_count_fn, count_micro_batch
 from .k_owner import KOwner
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
-from .parameters import optimized_parameters, param_groups_signature
+from .param_groups import optimized_parameters, param_groups_signature
 from .reduction import WindowReduction
 from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from here too
 from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
@@ -63,10 +62,7 @@ class _Batch:
     items: Any = None  # its item count (a number or a tensor); None: unknown
     label: str = ""  # what `items` is, for the core's messages
     error: str | None = None  # why `items` is unknown, raised at the boundary (on every rank together)
-    count: ItemCount | None = None  # the weighed count, from `on_before_backward` until the record
-    loss: Tensor | None = None  # the back-propagated loss, from `on_before_backward` until the record
     backward_ran: bool = False  # False: `training_step` returned None
-    last_backward: bool = False  # its backward ends the window (asked under DDP, FSDP, AMP only)
     recorded: bool = False  # recorded in the window, the batch not ended: a save now is mid-batch
     finalized: bool = False  # the window was finalized (stepped or skipped) in it; LBFGS may re-evaluate
 
@@ -416,24 +412,16 @@ class GradientAccumulationLogic(_LogicBase):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         accumulator, current = self._accumulator, self._batch
         assert accumulator is not None
-        count = accumulator.weigh(
-            current.items, loss_dtype=loss.dtype, label=current.label, error=current.error
+        fsdp = self._sync.fsdp
+        # whether this backward ends the window, asked only where it matters (a private Lightning call):
+        # FSDP reducing at the window's end, the core flushing its buffers for DDP or a GradScaler
+        last = (fsdp.defers or accumulator.uses_last) and not internals.should_accumulate(trainer)
+        # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed,
+        # weighed here in place (the core divides K and the AMP scale out once per window)
+        accumulator.begin_micro_batch(
+            loss, current.items, last=last, label=current.label, error=current.error, in_place=True
         )
-        current.count = count
-        weighted = self.settings.scaling == "weighted"
-        # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed.
-        # It is recorded as is (the core divides K and the AMP scale out once per window); only a loss about
-        # to be weighted in place needs a copy.
-        current.loss = loss.detach().clone() if weighted else loss.detach()
-        count.weigh_loss(loss, in_place=True)
-        accumulator.begin_backward()  # noise_scale: only this backward's gradients are this micro-batch's
-        sync = self._sync
-        synchronizing = sync.fsdp.defers or sync.flush_before_last_backward or self._scaler is not None
-        # whether this backward ends the window (asked only where it matters: a private Lightning call)
-        current.last_backward = last = synchronizing and not internals.should_accumulate(trainer)
-        sync.fsdp.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
-        if last and sync.flush_before_last_backward:
-            accumulator.flush_to_grad()  # DDP's one all-reduce then carries the whole window
+        fsdp.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -441,14 +429,9 @@ class GradientAccumulationLogic(_LogicBase):
         current = self._batch
         self._sync.fsdp.after_backward()
         self._follow_param_groups(trainer, pl_module)
-        self._accumulator.record(current.count, current.loss, reevaluation=current.finalized)
+        self._accumulator.end_micro_batch(reevaluation=current.finalized)
         current.recorded = True  # until `on_train_batch_end`: a save now is mid-batch
-        if current.last_backward and self._scaler is not None:
-            # after the last micro-batch went through the buffers (checked and clipped on its own): the
-            # scaler unscales and checks `.grad` before `on_before_optimizer_step`
-            self._accumulator.flush_to_grad()
         current.backward_ran = True
-        current.loss = current.count = None
 
     # ---------------------------------------------------------------------------------------- boundary
 

@@ -2,8 +2,8 @@
 
 FSDP reduces in its own backward hooks: every micro-batch, or only in the window's last backward
 (:class:`~lightning_gradacc.sharded_sync.ShardedSync`, ``sharded_reduction``). DDP all-reduces in the
-window's last backward, after the accumulation buffers were flushed into ``.grad``, so that one all-reduce
-carries the whole window. With a per-micro-batch mode (``clip_mode="micro_batch"``,
+window's last backward, after the core flushed the accumulation buffers into ``.grad``, so that one
+all-reduce carries the whole window. With a per-micro-batch mode (``clip_mode="micro_batch"``,
 ``overflow="skip_micro_batch"``) no backward syncs through DDP, so that each micro-batch's own gradient is
 checked and clipped; the core all-reduces the buffers at the window's end instead.
 """
@@ -34,8 +34,8 @@ class WindowReduction:
 
     Example:
         >>> reduction = WindowReduction(torch.nn.Linear(2, 2), world_size=1)
-        >>> reduction.fsdp.defers, reduction.core_reduces, reduction.flush_before_last_backward
-        (False, False, False)
+        >>> reduction.fsdp.defers, reduction.core_reduces
+        (False, False)
     """
 
     def __init__(
@@ -50,9 +50,6 @@ class WindowReduction:
         ddp = model if isinstance(model, DistributedDataParallel) else None
         # the model whose gradient sync is off for the fit
         self.ddp_without_sync = ddp if per_micro_batch and world_size > 1 else None
-        self.flush_before_last_backward = (
-            world_size > 1 and not self.fsdp.sharded and self.ddp_without_sync is None
-        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -468,6 +468,14 @@ class GradAccumulator:
             self.flush_to_grad()  # the scaler unscales and checks `.grad`
 
     @property
+    def uses_last(self) -> bool:
+        """Whether :meth:`begin_micro_batch` acts on ``last`` (buffers under DDP, or a GradScaler).
+
+        A caller for which knowing ``last`` costs something may pass ``False`` when this is ``False``.
+        """
+        return self._flushes_before_last_backward or self._scale.scaler is not None
+
+    @property
     def _flushes_before_last_backward(self) -> bool:
         """Whether DDP's backward all-reduce of the window's last micro-batch should carry the buffers."""
         if self._buffers is None or self._reduce_gradients or self._tracked.sharded:
