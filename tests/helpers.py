@@ -7,19 +7,24 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
 import lightning.pytorch.strategies.launchers.multiprocessing as lit_launchers
+import pytest
 import pytorch_lightning as pl
 import pytorch_lightning.strategies.launchers.multiprocessing as pl_launchers
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+from lightning_gradacc.callback import GradientAccumulationLogic
+
 # The package's own token counter, re-exported: every oracle uses it (no re-implementation here).
 from lightning_gradacc.counters import count_tokens as count_tokens
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 IGNORE_INDEX = -100
 
 
@@ -48,6 +53,13 @@ def trainer(namespace: str = "pytorch_lightning", **overrides: Any) -> pl.Traine
         options["strategy"] = SPAWN[namespace]()
     trainer_class: Any = PACKAGES[namespace].Trainer
     return trainer_class(**options)  # type: ignore[no-any-return]
+
+
+def fit(module: pl.LightningModule, *callbacks: pl.Callback, **kwargs: Any) -> pl.Trainer:
+    """``trainer(callbacks=[*callbacks], **kwargs).fit(module)``; returns the Trainer."""
+    trainer_ = trainer(callbacks=list(callbacks), **kwargs)
+    trainer_.fit(module)
+    return trainer_
 
 
 def accumulation_callback(namespace: str = "pytorch_lightning", *args: Any, **kwargs: Any) -> Any:
@@ -376,6 +388,51 @@ def series_steps(recorder: _Recorder, key: str) -> list[int]:
     return [step for step, _ in recorder.series(key)]
 
 
+# -------------------------------------------------------------------------------------- preemption
+
+
+class Preempted(Exception):
+    pass
+
+
+class _SaveAndStop:
+    """Saves a checkpoint after global micro-batch ``at`` and interrupts training (a preemption).
+
+    The body of ``SaveAndStop`` (``pytorch_lightning``) and ``LitSaveAndStop`` (``lightning``).
+    """
+
+    def __init__(self, at: int, path: Path) -> None:
+        self.at, self.path, self.seen = at, path, 0
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if self.seen == self.at:
+            trainer.save_checkpoint(self.path)
+            raise Preempted
+        self.seen += 1
+
+
+class SaveAndStop(_SaveAndStop, pl.Callback):
+    pass
+
+
+class LitSaveAndStop(_SaveAndStop, L.Callback):
+    pass
+
+
+def preempt(
+    model: pl.LightningModule,
+    callbacks: list[pl.Callback],
+    at: int,
+    path: Path,
+    *,
+    max_epochs: int = 2,
+    **kwargs: Any,
+) -> None:
+    """Train until global micro-batch ``at``, checkpoint there, and stop as a preempted job would."""
+    with pytest.raises(Preempted):
+        trainer(callbacks=[*callbacks, SaveAndStop(at, path)], max_epochs=max_epochs, **kwargs).fit(model)
+
+
 # ------------------------------------------------------------------------------ DDP communication
 
 COMM = {"calls": 0, "bytes": 0}
@@ -487,3 +544,37 @@ class LitSpawnStrategy(_Spawn, L.strategies.DDPStrategy):
 
 
 SPAWN: dict[str, Any] = {"pytorch_lightning": SpawnStrategy, "lightning.pytorch": LitSpawnStrategy}
+
+
+# ------------------------------------------------------------------------------------ two processes
+
+
+def ddp_trainer(*callbacks: pl.Callback, strategy: object = "ddp_spawn", **kwargs: Any) -> pl.Trainer:
+    """A Trainer on two CPU processes that logs every step to a :class:`MetricsRecorder`."""
+    options: dict[str, Any] = {"logger": MetricsRecorder(), "log_every_n_steps": 1, **kwargs}
+    return trainer(
+        **options,
+        strategy=strategy,
+        devices=2,
+        callbacks=list(callbacks),
+        use_distributed_sampler=False,  # the modules shard in dataset order (see ordered_loader)
+    )
+
+
+# ------------------------------------------------------------------------------- configs and the CLI
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+QUICK = [  # command-line overrides that keep a config's run short
+    "--trainer.max_epochs=2",
+    "--trainer.limit_train_batches=6",
+    "--trainer.limit_val_batches=2",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+]
+
+
+def the_callback(cli: Any, cls: type = GradientAccumulationLogic) -> Any:
+    """The one accumulation callback of a ``LightningCLI``'s Trainer (an instance of ``cls``)."""
+    found = [c for c in cli.trainer.callbacks if isinstance(c, cls)]
+    assert len(found) == 1
+    return found[0]

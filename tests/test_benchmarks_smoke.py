@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 
 def test_benchmarks_run_tiny_and_write_a_report(tmp_path: Path) -> None:

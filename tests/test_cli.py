@@ -15,23 +15,9 @@ import yaml
 from lightning_gradacc import GradientAccumulationCallback
 from lightning_gradacc.cli import build_cli
 from lightning_gradacc.counters import count_tokens
+from tests.helpers import CONFIGS, QUICK, ROOT, the_callback
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 SINGLE_PROCESS = [path for path in CONFIGS if path.stem != "ddp_cpu"]
-QUICK = [
-    "--trainer.max_epochs=2",
-    "--trainer.limit_train_batches=6",
-    "--trainer.limit_val_batches=2",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false",
-]
-
-
-def the_callback(cli) -> GradientAccumulationCallback:
-    found = [c for c in cli.trainer.callbacks if isinstance(c, GradientAccumulationCallback)]
-    assert len(found) == 1
-    return found[0]
 
 
 def test_all_five_configs_exist() -> None:
@@ -41,7 +27,7 @@ def test_all_five_configs_exist() -> None:
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
 def test_config_parses_and_instantiates(config: Path, tmp_path: Path) -> None:
     cli = build_cli(["--config", str(config), f"--trainer.default_root_dir={tmp_path}"], run=False)
-    callback = the_callback(cli)
+    callback = the_callback(cli, GradientAccumulationCallback)
     raw = yaml.safe_load(config.read_text())["trainer"]["callbacks"][0]["init_args"]
     if "accumulation_steps" in raw:
         expected = raw["accumulation_steps"]
@@ -53,7 +39,7 @@ def test_config_parses_and_instantiates(config: Path, tmp_path: Path) -> None:
 
 def test_token_lm_config_resolves_the_counter_import_path(tmp_path: Path) -> None:
     cli = build_cli(["--config", str(ROOT / "configs/token_lm.yaml")], run=False)
-    callback = the_callback(cli)
+    callback = the_callback(cli, GradientAccumulationCallback)
     assert callback.settings.scaling == "weighted"
     assert callback.item_count_fn is count_tokens
 
@@ -74,7 +60,7 @@ def test_every_callback_argument_is_settable_from_yaml(tmp_path: Path) -> None:
     }
     path = tmp_path / "all.yaml"
     path.write_text(yaml.safe_dump(config))
-    callback = the_callback(build_cli(["--config", str(path)], run=False))
+    callback = the_callback(build_cli(["--config", str(path)], run=False), GradientAccumulationCallback)
     assert callback.plan.schedule == {0: 2, 3: 8}
     assert callback.settings.scaling == "weighted"
     assert callback.item_count_fn.__name__ == "count_samples"
@@ -99,7 +85,7 @@ def test_every_callback_argument_is_settable_from_yaml(tmp_path: Path) -> None:
 )
 def test_callback_arguments_can_be_overridden_on_the_command_line(override: str) -> None:
     args = ["--config", str(ROOT / "configs/quickstart.yaml"), *override.split(" ")]
-    callback = the_callback(build_cli(args, run=False))
+    callback = the_callback(build_cli(args, run=False), GradientAccumulationCallback)
     assert callback.plan.fixed == 8
     assert callback.settings.max_grad_norm == 1.0  # the rest of the config is kept
 
@@ -116,7 +102,7 @@ def test_invalid_yaml_value_is_reported_with_the_argument_name(capsys: pytest.Ca
 def test_config_runs_end_to_end(config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["fit", "--config", str(config), *QUICK, f"--trainer.logger.init_args.save_dir={tmp_path}"]
     cli = build_cli(args)
-    callback = the_callback(cli)
+    callback = the_callback(cli, GradientAccumulationCallback)
     assert callback.stats.windows == cli.trainer.global_step > 0
     out = capsys.readouterr().out
     assert "Gradient accumulation summary" in out

@@ -15,9 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import lightning_gradacc.demo.lightning as lit_demo
 import lightning_gradacc.lightning as lit
 from lightning_gradacc import GradientAccumulationCallback, demo
-from lightning_gradacc.callback import GradientAccumulationLogic
 from lightning_gradacc.cli import build_cli, detect_namespace
-from tests.test_cli import CONFIGS, QUICK, ROOT
+from tests.helpers import CONFIGS, QUICK, ROOT, the_callback
 
 CALLBACKS = {
     "pytorch_lightning": GradientAccumulationCallback,
@@ -26,12 +25,6 @@ CALLBACKS = {
 MODULES = {"pytorch_lightning": demo.ClassifierModule, "lightning.pytorch": lit_demo.ClassifierModule}
 FLAGS = {"pytorch_lightning": [], "lightning.pytorch": ["--namespace", "lightning"]}
 NAMESPACES = pytest.mark.parametrize("ns", list(FLAGS))
-
-
-def the_callback(cli: object) -> GradientAccumulationLogic:
-    found = [c for c in cli.trainer.callbacks if isinstance(c, GradientAccumulationLogic)]  # type: ignore[attr-defined]
-    assert len(found) == 1
-    return found[0]
 
 
 @NAMESPACES

@@ -14,21 +14,10 @@ from pytorch_lightning.strategies import DDPStrategy
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
-from tests.test_resume import SaveAndStop
+from tests.helpers import SaveAndStop, ddp_trainer
 
 pytestmark = pytest.mark.slow
 WORLD = 2
-
-
-def ddp_trainer(*callbacks: pl.Callback, strategy: object = "ddp_spawn", **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {"logger": h.MetricsRecorder(), "log_every_n_steps": 1, **kwargs}
-    return h.trainer(
-        **options,
-        strategy=strategy,
-        devices=WORLD,
-        callbacks=list(callbacks),
-        use_distributed_sampler=False,  # the modules shard in dataset order (see helpers.ordered_loader)
-    )
 
 
 def test_ddp_mean_with_partial_window_matches_single_process_big_batch() -> None:

@@ -740,10 +740,8 @@ class ValidatedModule(h.RegressionModule):
 
 
 def test_validating_a_mid_window_checkpoint_leaves_the_next_fit_alone(tmp_path: Any) -> None:
-    from tests.test_resume import preempt
-
     path = tmp_path / "mid.ckpt"
-    preempt(ValidatedModule(h.regression_data(40)), [GradientAccumulationCallback(4)], 5, path)
+    h.preempt(ValidatedModule(h.regression_data(40)), [GradientAccumulationCallback(4)], 5, path)
     module = ValidatedModule(h.regression_data(40))
     callback = GradientAccumulationCallback(4)
     h.trainer(callbacks=[callback]).validate(module, ckpt_path=path)

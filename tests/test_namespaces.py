@@ -11,7 +11,6 @@ from typing import Any
 
 import lightning.pytorch as L
 import pytest
-import pytorch_lightning as pl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import lightning_gradacc.lightning as lit
@@ -69,32 +68,6 @@ def test_overflow_skip_and_clipping_match_big_batch(ns: str) -> None:
     assert callback.stats.skipped_steps == 1
 
 
-class Preempted(Exception):
-    pass
-
-
-class SaveAndStop:
-    """Saves a checkpoint after micro-batch ``at`` and stops, as a preempted job would (either namespace)."""
-
-    def __init__(self, at: int, path: Path) -> None:
-        self.at, self.path = at, path
-
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if batch_idx == self.at:
-            trainer.save_checkpoint(self.path)
-            raise Preempted
-
-
-class PlSaveAndStop(SaveAndStop, pl.Callback):
-    pass
-
-
-class LitSaveAndStop(SaveAndStop, L.Callback):
-    pass
-
-
 @NAMESPACES
 def test_mid_window_resume_is_exact(ns: str, tmp_path: Path) -> None:
     def module() -> Any:
@@ -106,8 +79,8 @@ def test_mid_window_resume_is_exact(ns: str, tmp_path: Path) -> None:
     uninterrupted = module()
     fit(ns, callback(), module=uninterrupted, max_epochs=2)
     path = tmp_path / "mid.ckpt"
-    stop = (PlSaveAndStop if ns == "pytorch_lightning" else LitSaveAndStop)(5, path)  # inside window 1
-    with pytest.raises(Preempted):
+    stop = (h.SaveAndStop if ns == "pytorch_lightning" else h.LitSaveAndStop)(5, path)  # inside window 1
+    with pytest.raises(h.Preempted):
         h.trainer(ns, callbacks=[callback(), stop], max_epochs=2).fit(module())
     resumed = module()
     h.trainer(ns, callbacks=[callback()], max_epochs=2).fit(resumed, ckpt_path=path)

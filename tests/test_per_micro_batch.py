@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
-from tests.test_ddp import ddp_trainer
+from tests.helpers import ddp_trainer
 
 WORLD = 2
 

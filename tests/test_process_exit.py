@@ -20,9 +20,9 @@ import pytorch_lightning as pl
 import torch.distributed as dist
 
 from tests import helpers as h
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _record_process_group(path: Path) -> None:

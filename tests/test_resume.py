@@ -12,33 +12,9 @@ from pytorch_lightning.callbacks import OnExceptionCheckpoint
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
+from tests.helpers import preempt
 
 EPOCHS = 2  # 10 micro-batches of 4 per epoch; with K=4: windows 4, 4, 2
-
-
-class Preempted(Exception):
-    pass
-
-
-class SaveAndStop(pl.Callback):
-    """Saves a checkpoint after global micro-batch ``at`` and interrupts training (a preemption)."""
-
-    def __init__(self, at: int, path: Path) -> None:
-        self.at, self.path, self.seen = at, path, 0
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self.seen == self.at:
-            trainer.save_checkpoint(self.path)
-            raise Preempted
-        self.seen += 1
-
-
-def preempt(
-    model: pl.LightningModule, callbacks: list[pl.Callback], at: int, path: Path, **kwargs: Any
-) -> None:
-    """Train until global micro-batch ``at``, checkpoint there, and stop as a preempted job would."""
-    with pytest.raises(Preempted):
-        h.trainer(callbacks=[*callbacks, SaveAndStop(at, path)], max_epochs=EPOCHS, **kwargs).fit(model)
 
 
 def make_callback(scaling: str, **kwargs: Any) -> GradientAccumulationCallback:

@@ -27,7 +27,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistrib
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
-from tests.test_resume import Preempted, SaveAndStop
+from tests.helpers import Preempted, SaveAndStop
 
 # torchdata 0.11 calls torch.set_vital, deprecated in recent torch; nothing to act on here.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
