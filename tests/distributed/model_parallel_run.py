@@ -1,8 +1,8 @@
 """Trains under a sharded Lightning strategy on 2 CPU processes with the callback.
 
-``python tests/model_parallel_run.py OUT_DIR [model_parallel|fsdp|fsdp_cuda]`` (the strategy launches the
-second rank by re-running the script): ``ModelParallelStrategy`` with FSDP2's ``fully_shard`` in
-``configure_model``; ``FSDPStrategy`` (FSDP1, ``use_orig_params=True``) on CPU with the layers wrapped in
+``python tests/distributed/model_parallel_run.py OUT_DIR [model_parallel|fsdp|fsdp_cuda]`` (the strategy
+launches the second rank by re-running the script): ``ModelParallelStrategy`` with FSDP2's ``fully_shard``
+in ``configure_model``; ``FSDPStrategy`` (FSDP1, ``use_orig_params=True``) on CPU with the layers wrapped in
 ``configure_model``; or ``FSDPStrategy(auto_wrap_policy={nn.Linear})`` on 2 GPUs, as users run it.
 Lightning refuses ``FSDPStrategy`` on CPU by its exact type (``accelerator_connector.py``: "requires a GPU
 accelerator"), so :class:`CPUFSDPStrategy` is Lightning's class under another name; and FSDP1 itself needs
@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `tests` importable
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: `tests` importable
 
 import pytorch_lightning as pl
 import torch

@@ -1,6 +1,6 @@
 """Distributed test processes end without meeting a finalizing interpreter: ``helpers.exit_together``.
 
-Issue #18, item 11: about 1 clean-clone CI run in 25 failed with a gloo abort at process exit ("terminate
+About 1 clean-clone CI run in 25 failed with a gloo abort at process exit ("terminate
 called without an active exception", SIGABRT) after all the work was done. A gloo worker thread can need the
 GIL after its collective has completed (to drop a ``Future.then`` callback, or the ``contextvars`` context
 autograd stashes in the thread-local state every work captures during a backward); if the interpreter is

@@ -1,9 +1,9 @@
 """The callback under Lightning's sharded strategies, 2 CPU processes: ``ModelParallelStrategy`` (FSDP2 via
 ``fully_shard``) and ``FSDPStrategy`` (FSDP1).
 
-``tests/model_parallel_run.py`` trains (the strategy re-runs that script for its second rank) and records
-which samples every micro-batch held; the oracle takes one plain-PyTorch step per window on those samples
-of both ranks as one batch.
+``model_parallel_run.py`` (next to this file) trains (the strategy re-runs that script for its second rank)
+and records which samples every micro-batch held; the oracle takes one plain-PyTorch step per window on
+those samples of both ranks as one batch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests import model_parallel_run as run
+from tests.distributed import model_parallel_run as run
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -44,7 +45,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=HERE.parent,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
