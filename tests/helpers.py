@@ -6,6 +6,7 @@ Everything here is deterministic and importable by spawned DDP workers (``tests.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+from lightning_gradacc import GradAccumulator
 from lightning_gradacc.callback import GradientAccumulationLogic
 
 # The package's own token counter, re-exported: every oracle uses it (no re-implementation here).
@@ -386,6 +388,101 @@ RECORDERS: dict[str, Any] = {"pytorch_lightning": MetricsRecorder, "lightning.py
 
 def series_steps(recorder: _Recorder, key: str) -> list[int]:
     return [step for step, _ in recorder.series(key)]
+
+
+# --------------------------------------------------------------------------------- the core's pieces
+
+INF = math.inf
+F32, F64, F16, BF16 = torch.float32, torch.float64, torch.float16, torch.bfloat16
+NORM_TYPES = [1.0, 2.0, 3.5, INF]
+SHAPES = [(3, 4), (7,), (2, 3, 5), (), (16,)]
+# tolerance of a value computed in a dtype, relative to the exact one (a few units in the last place)
+RTOL = {F32: 1e-6, F64: 1e-12}
+BATCH = 4  # rows per micro-batch of run_plain_loop
+
+
+def random_grads(dtypes: list[torch.dtype], seed: int, scale: float = 1.0) -> list[Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [SHAPES[i % len(SHAPES)] for i in range(len(dtypes))]
+    return [
+        (torch.randn(shape, generator=generator, dtype=F64) * scale).to(dtype)
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    ]
+
+
+def torch_clip_each(grads: list[Tensor], max_norm: float, norm_type: float = 2.0) -> list[Tensor]:
+    """``torch.nn.utils.clip_grad_norm_([g], max_norm)`` applied tensor by tensor."""
+    clipped = []
+    for grad in grads:
+        param = nn.Parameter(torch.zeros_like(grad))
+        param.grad = grad.clone()
+        torch.nn.utils.clip_grad_norm_([param], max_norm, norm_type)
+        clipped.append(param.grad)
+    return clipped
+
+
+def assert_same(actual: Tensor, expected: Tensor, rtol: float | None = None) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    rtol = RTOL.get(expected.dtype, 0.0) if rtol is None else rtol
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=0.0, equal_nan=True)
+
+
+def run_plain_loop(
+    accumulator_kwargs: dict, k: int, num_batches: int = 10, nan_at: tuple[int, ...] = ()
+) -> tuple[nn.Module, GradAccumulator]:
+    """GradAccumulator(``accumulator_kwargs``, K=``k``) in a plain loop over micro-batches of 4 of
+    :func:`regression_data` (SGD, lr 0.1), stepping at every window's end; the loss of the micro-batches in
+    ``nan_at`` is made nan."""
+    data = regression_data(num_batches * BATCH)
+    net = regression_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    accumulator = GradAccumulator(net.named_parameters(), k, **accumulator_kwargs)
+    x_all, y_all = data.tensors
+    for index in range(num_batches):
+        x, y = x_all[index * BATCH : (index + 1) * BATCH], y_all[index * BATCH : (index + 1) * BATCH]
+        loss = mse(net, x, y)
+        if index in nan_at:
+            loss = loss * math.nan
+        accumulator.backward(loss, items=len(x))
+        accumulator.step(optimizer, force=index == num_batches - 1)
+    return net, accumulator
+
+
+def linear_accumulator(**kwargs) -> tuple[nn.Linear, GradAccumulator]:
+    """``nn.Linear(3, 2)`` (seed 1) and a GradAccumulator of K=2 over its parameters."""
+    torch.manual_seed(1)
+    model = nn.Linear(3, 2)
+    return model, GradAccumulator(model.named_parameters(), 2, **kwargs)
+
+
+def linear_backward(model: nn.Module, accumulator: GradAccumulator, scale: float = 1.0) -> None:
+    """One micro-batch of 4 random rows through ``model`` (a ``nn.Linear``), its loss times ``scale``."""
+    x = torch.randn(4, model.in_features)
+    accumulator.backward(model(x).pow(2).mean() * scale, items=4)
+
+
+class TwoLayer(nn.Module):
+    """4 -> 5 -> 2 with a parameter that never gets a gradient (``unused``)."""
+
+    def __init__(self, dtype: torch.dtype = F32) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.first = nn.Linear(4, 5)  # initialized in float32: the same values for every dtype
+        self.second = nn.Linear(5, 2)
+        self.unused = nn.Parameter(torch.zeros(3))
+        self.to(dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def two_layer_batches(sizes: list[int], dtype: torch.dtype = F32) -> list[tuple[Tensor, Tensor]]:
+    """Random ``(x, y)`` micro-batches of the given sizes for :class:`TwoLayer` (4 inputs, 2 outputs)."""
+    generator = torch.Generator().manual_seed(sum(sizes))
+    return [
+        (torch.randn(n, 4, generator=generator).to(dtype), torch.randn(n, 2, generator=generator).to(dtype))
+        for n in sizes
+    ]
 
 
 # -------------------------------------------------------------------------------------- preemption

@@ -173,7 +173,8 @@ def test_ddp_bad_count_on_one_rank_raises_on_every_rank_without_hanging() -> Non
     ):
         trainer.fit(module)
     # ddp_spawn ends the other process as soon as one fails, so a hang would not show here on its own;
-    # test_core's test_a_bad_count_on_another_rank_raises_on_this_rank_too shows the decision is collective.
+    # test_a_bad_count_on_another_rank_raises_on_this_rank_too (tests/core/test_weighting.py) shows the
+    # decision is collective.
     assert time.monotonic() - started < 45
 
 
