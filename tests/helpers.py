@@ -64,6 +64,12 @@ def fit(module: pl.LightningModule, *callbacks: pl.Callback, **kwargs: Any) -> p
     return trainer_
 
 
+def cuda_only(test: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a CUDA check (``pytest -m cuda``, run by sessions that are lent a GPU): skipped without one."""
+    skipped = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test)
+    return pytest.mark.cuda(skipped)
+
+
 def accumulation_callback(namespace: str = "pytorch_lightning", *args: Any, **kwargs: Any) -> Any:
     """``GradientAccumulationCallback`` of ``namespace``."""
     if namespace == "lightning.pytorch":
@@ -483,6 +489,29 @@ def two_layer_batches(sizes: list[int], dtype: torch.dtype = F32) -> list[tuple[
         (torch.randn(n, 4, generator=generator).to(dtype), torch.randn(n, 2, generator=generator).to(dtype))
         for n in sizes
     ]
+
+
+# ------------------------------------------------------------------------- the noise scale's data
+
+NOISE_SAMPLES = 256
+
+
+def noise_data() -> TensorDataset:
+    """The noise-scale tests' data set: noisy linear targets of 5 features."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(NOISE_SAMPLES, 5, generator=generator)
+    y = x @ torch.randn(5, 1, generator=generator) + 0.5 * torch.randn(NOISE_SAMPLES, 1, generator=generator)
+    return TensorDataset(x, y)
+
+
+def noise_net() -> nn.Module:
+    """The noise-scale tests' model: ``nn.Linear(5, 1)``, seed 0."""
+    torch.manual_seed(0)
+    return nn.Linear(5, 1)
+
+
+def noise_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (net(x) - y).pow(2).mean()  # a mean over the micro-batch's items
 
 
 # -------------------------------------------------------------------------------------- preemption

@@ -21,7 +21,7 @@ from pytorch_lightning.plugins import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lightning_gradacc import GradAccumulator, GradientAccumulationCallback, estimated_stepping_batches
+from lightning_gradacc import GradientAccumulationCallback, estimated_stepping_batches
 from tests import helpers as h
 
 BATCH = 4
@@ -204,14 +204,6 @@ def test_window_cut_by_an_early_epoch_end_is_discarded_not_merged(accumulation_d
         fit(module, callback, max_epochs=2)
     expected = reference([[0, 1, 2, 3], *h.windows(10, 4)])
     assert h.max_abs_diff(module.net, expected) < 1e-6
-
-
-# -------------------------------------------------------------------------------- 3. core world
-
-
-def test_core_world_size_without_all_reduce_or_process_group_is_an_error() -> None:
-    with pytest.raises(ValueError, match=r"`world_size=2` needs `all_reduce=`"):
-        GradAccumulator([torch.zeros(1, requires_grad=True)], world_size=2, scaling="weighted")
 
 
 # ------------------------------------------------------------------ 4. weighted in low precision

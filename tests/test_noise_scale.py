@@ -20,44 +20,27 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Sampler
 
-from lightning_gradacc import GradAccumulator, GradientAccumulationCallback
-from lightning_gradacc.core.noise import NoiseScale, estimate
+from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
+from tests.helpers import NOISE_SAMPLES, noise_data, noise_loss, noise_net
 
-SAMPLES = 256
 K = 4
 WINDOWS = 1500  # the averages' standard errors: about 2.3% of the truth (asserted < 3%)
 
 
-def _data() -> TensorDataset:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(SAMPLES, 5, generator=generator)
-    y = x @ torch.randn(5, 1, generator=generator) + 0.5 * torch.randn(SAMPLES, 1, generator=generator)
-    return TensorDataset(x, y)
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Linear(5, 1)
-
-
-def _loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (net(x) - y).pow(2).mean()  # a mean over the micro-batch's items
-
-
 def truth() -> tuple[float, float]:
     """|G|² and tr(Σ) of the per-sample gradients of the whole data set (sampling with replacement)."""
-    net = _net()
-    x, y = _data().tensors
+    net = noise_net()
+    x, y = noise_data().tensors
     params = {name: p.detach() for name, p in net.named_parameters()}
 
     def one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
         return 0.5 * (functional_call(net, p, (xi[None],)) - yi[None]).pow(2).sum()
 
     per_sample = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
-    flat = torch.cat([g.reshape(SAMPLES, -1) for g in per_sample.values()], dim=1).double()
+    flat = torch.cat([g.reshape(NOISE_SAMPLES, -1) for g in per_sample.values()], dim=1).double()
     mean = flat.mean(dim=0)
     return float(mean @ mean), float((flat - mean).pow(2).sum(dim=1).mean())
 
@@ -76,7 +59,7 @@ class ReplacementBatches(Sampler[list[int]]):
         generator = torch.Generator().manual_seed(self.seed + 1000 * getattr(self, "epoch", 0))
         for index in range(self.batches):
             size = self.sizes[index % len(self.sizes)]
-            yield torch.randint(0, SAMPLES, (size,), generator=generator).tolist()
+            yield torch.randint(0, NOISE_SAMPLES, (size,), generator=generator).tolist()
 
     def __len__(self) -> int:
         return self.batches
@@ -85,18 +68,18 @@ class ReplacementBatches(Sampler[list[int]]):
 class FixedModel(pl.LightningModule):
     def __init__(self, sizes: list[int], windows: int) -> None:
         super().__init__()
-        self.net = _net()
+        self.net = noise_net()
         self.sizes, self.windows = sizes, windows
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return _loss(self.net, *batch)
+        return noise_loss(self.net, *batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
     def train_dataloader(self) -> DataLoader:
         sampler = ReplacementBatches(self.sizes, K * self.windows, seed=1 + self.global_rank)
-        return DataLoader(_data(), batch_sampler=sampler)
+        return DataLoader(noise_data(), batch_sampler=sampler)
 
 
 class Estimates(pl.Callback):
@@ -173,50 +156,6 @@ def test_estimates_match_the_truth_across_two_ddp_processes(tmp_path: Path) -> N
 # ------------------------------------------------------------------------------------------ pieces
 
 
-def test_the_estimate_of_two_micro_batches_by_hand() -> None:
-    """Micro-batches of 1 item with gradients 1 and 3 (mean 2): S = 5, |G_W|² = 4, β_S = 1, β_W = 1/2."""
-    assert estimate(10.0, 2.0, 2.0, 4.0, 0.5) == (3.0, 2.0)
-    g, t = estimate(torch.tensor(10.0), torch.tensor(2.0), torch.tensor(2.0), torch.tensor(4.0), 0.5)
-    assert (float(g), float(t)) == (3.0, 2.0)  # device scalars: the same arithmetic, no sync
-
-
-@pytest.mark.parametrize("count", [1.0, torch.tensor(1.0)])
-def test_a_window_of_one_micro_batch_gives_no_estimate(count: Any) -> None:
-    g, t = estimate(4.0 if isinstance(count, float) else torch.tensor(4.0), 1.0, count, 4.0, 1.0)
-    assert math.isnan(float(g)) and math.isnan(float(t))
-
-
-def test_the_averages_skip_windows_without_an_estimate() -> None:
-    noise = NoiseScale(0.5, torch.device("cpu"), torch.float64)
-    first = noise.update([10.0, 2.0, 2.0, 2.0, 2.0, 0.0], 4.0, items=2.0)
-    assert (first.grad_sq_norm, first.trace_sigma, first.noise_scale) == (3.0, 2.0, 2.0 / 3.0)
-    nothing = noise.update([4.0, 1.0, 1.0, 1.0, 1.0, 0.0], 4.0, items=1.0)  # one micro-batch
-    assert math.isnan(nothing.grad_sq_norm) and nothing.noise_scale == 2.0 / 3.0
-    noise.load_state_dict(noise.state_dict())
-    assert noise.noise_scale() == 2.0 / 3.0
-
-
-def test_the_hook_sees_each_micro_batch_and_undoes_its_scales() -> None:
-    """The incoming gradient carries the item weight and the loss scale: |g|² comes out unscaled."""
-    weight = nn.Parameter(torch.zeros(2))
-    accumulator = GradAccumulator([weight], 2, scaling="weighted", noise_scale=True)
-    accumulator.loss_scale = 0.25
-    for items, gradient in ((2, torch.tensor([1.0, 0.0])), (6, torch.tensor([0.0, 2.0]))):
-        loss = (weight * gradient).sum()
-        count = accumulator.weigh(items)
-        count.weigh_loss(loss * accumulator.loss_scale).backward()
-        accumulator.record(count)
-    accumulator.finalize()
-    stats = accumulator.stats
-    # S = (2·1 + 6·4)/8 = 3.25, G_W = (2·g1 + 6·g2)/8 = (0.25, 1.5): |G_W|² = 2.3125; β_S = 2/8, β_W = 1/8
-    trace = (3.25 - 2.3125) / (2 / 8 - 1 / 8)
-    assert stats.trace_sigma_estimate == pytest.approx(trace, rel=1e-6)
-    assert stats.grad_sq_norm_estimate == pytest.approx(2.3125 - trace / 8, rel=1e-6)
-    accumulator.remove_hooks()
-    (weight * 2).sum().backward()  # no hook left: nothing pending
-    assert accumulator._noise is not None and not accumulator._noise._parts
-
-
 def test_noise_scale_refuses_what_breaks_its_assumptions() -> None:
     with pytest.raises(
         ValueError, match="`noise_scale=True` cannot be combined with `overflow='skip_micro_batch'`"
@@ -258,159 +197,7 @@ def test_the_averages_survive_a_checkpoint(tmp_path: Path) -> None:
     assert first.noise_scale != pytest.approx(uninterrupted.noise_scale, rel=1e-3)
 
 
-def test_measuring_one_window_in_three_hooks_only_those() -> None:
-    net = _net()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
-    accumulator = GradAccumulator(net.parameters(), 2, noise_scale=True, noise_scale_every=3)
-    x, y = _data().tensors
-    measured, hooked = [], []
-    for window in range(7):
-        noise = accumulator._noise
-        assert noise is not None
-        hooked.append(noise.watching)
-        for index in range(2):
-            rows = slice(8 * (2 * window + index), 8 * (2 * window + index + 1))
-            accumulator.backward(_loss(net, x[rows], y[rows]), items=8)
-        accumulator.step(optimizer)
-        measured.append(math.isfinite(accumulator.stats.trace_sigma_estimate))
-    assert hooked == measured == [True, False, False, True, False, False, True]
-    accumulator.remove_hooks()
-    assert not accumulator._noise.watching  # type: ignore[union-attr]
-
-
 # --------------------------------------------------------------------- what must not bias the estimate
-
-
-def _plain_estimates(options: dict[str, Any], windows: int = 3, **run: Any) -> list[float]:
-    """Per-window |G|² and tr Σ, one after the other, of a plain loop over fixed micro-batches of 8 rows
-    (K=2, learning rate 0)."""
-    net = _net()
-    if run.get("dtype") is not None:
-        net = net.to(run["dtype"])
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
-    accumulator = GradAccumulator(net.named_parameters(), 2, noise_scale=True, **options)
-    x, y = _data().tensors
-    found = []
-    for window in range(windows):
-        for index in range(2):
-            rows = slice(8 * (2 * window + index), 8 * (2 * window + index + 1))
-            if run.get("penalty"):  # a gradient penalty's extra pass (weight 0: the same gradient)
-                loss = _loss(net, x[rows], y[rows])
-                grads = torch.autograd.grad(loss, list(net.parameters()), create_graph=True)
-                loss = loss + 0.0 * sum(g.pow(2).sum() for g in grads)
-            else:
-                loss = _loss(net, x[rows].to(net.weight.dtype), y[rows].to(net.weight.dtype))
-            items = run.get("items", lambda w, i: 8)(window, index)
-            accumulator.backward(loss, items=items)
-        accumulator.step(optimizer)
-        stats = accumulator.stats
-        found += [stats.grad_sq_norm_estimate, stats.trace_sigma_estimate]
-    accumulator.remove_hooks()
-    return found
-
-
-def test_the_estimate_uses_the_l2_norm_whatever_norm_clips() -> None:
-    """|G_W| is the L2 norm of the window's gradient even when `norm_type` (for clipping and the logged
-    norm) is 1 or inf; otherwise the estimate is silently wrong."""
-    reference = _plain_estimates({})
-    for norm_type in (1.0, math.inf):
-        for overflow in ("skip", "ignore"):  # the host-decided and the device-decided boundary
-            found = _plain_estimates({"norm_type": norm_type, "overflow": overflow})
-            assert found == pytest.approx(reference, rel=2e-6)  # fp32 norms: 5e-7 apart (1 or inf: 40%)
-
-
-def test_the_amp_scale_is_divided_out() -> None:
-    """Under a GradScaler every incoming gradient carries its scale (here 1024, a device tensor: the
-    recording takes the no-sync tensor path); the estimates are those of the unscaled run."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    found = _plain_estimates({"grad_scaler": scaler})
-    assert found == pytest.approx(_plain_estimates({}), rel=1e-6)
-
-
-def test_another_pass_through_the_hooks_is_not_taken_for_the_micro_batch() -> None:
-    """`torch.autograd.grad` on the parameters inside the step (a gradient penalty) fires the hooks too."""
-    assert _plain_estimates({}, penalty=True) == pytest.approx(_plain_estimates({}), rel=1e-6)
-
-
-def test_fp16_gradients_are_measured_in_fp32() -> None:
-    weight = nn.Parameter(torch.zeros(1000, dtype=torch.float16))
-    noise = NoiseScale(0.9, torch.device("cpu"), torch.float64)
-    noise.watch([weight])
-    noise.begin_backward()
-    (weight * 3000.0).sum().backward()  # a norm of ~94,868: inf in fp16
-    assert math.isfinite(float(noise._parts[0])) and float(noise._parts[0]) == pytest.approx(
-        94868.3, rel=1e-4
-    )
-    noise.remove_hooks()
-
-
-@pytest.mark.parametrize(
-    ("why", "items"),
-    [
-        (
-            "a micro-batch of 0 items under 'mean' (its gradient is 0, not a mean)",
-            lambda w, i: 0 if w == 1 else 8,
-        ),
-        ("counts known for some micro-batches only", lambda w, i: None if (w, i) == (1, 1) else 8),
-    ],
-)
-def test_a_window_that_cannot_be_measured_gives_no_estimate(why: str, items: Any) -> None:
-    found = _plain_estimates({}, items=items)
-    assert all(math.isfinite(v) for v in found[:2] + found[4:]), why
-    assert all(math.isnan(v) for v in found[2:4]), why
-
-
-def test_a_restored_window_gives_no_estimate_and_the_next_one_does() -> None:
-    """Micro-batches restored from a checkpoint have no recorded norms: with them in the window's gradient
-    but not in its counts the estimate would be biased, so the window is not measured."""
-    net = _net()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
-    accumulator = GradAccumulator(net.named_parameters(), 3, noise_scale=True)
-    x, y = _data().tensors
-    batches = [(x[8 * i : 8 * (i + 1)], y[8 * i : 8 * (i + 1)]) for i in range(6)]
-    accumulator.backward(_loss(net, *batches[0]), items=8)
-    saved = accumulator.window_state_dict()
-    accumulator.remove_hooks()
-    resumed = GradAccumulator(net.named_parameters(), 3, noise_scale=True)
-    resumed.load_window_state_dict(saved)
-    for batch in batches[1:3]:  # two new micro-batches: enough for an estimate, were it not restored
-        resumed.backward(_loss(net, *batch), items=8)
-    resumed.step(optimizer)
-    assert math.isnan(resumed.stats.trace_sigma_estimate)
-    for batch in batches[3:]:
-        resumed.backward(_loss(net, *batch), items=8)
-    resumed.step(optimizer)
-    assert math.isfinite(resumed.stats.trace_sigma_estimate)
-    resumed.remove_hooks()
-
-
-def test_a_layer_unfrozen_inside_a_window_makes_it_unmeasured() -> None:
-    net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
-    net[0].requires_grad_(False)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
-    accumulator = GradAccumulator(net.named_parameters(), 2, noise_scale=True)
-    x, y = _data().tensors
-    accumulator.backward(_loss(net, x[:8], y[:8]), items=8)
-    net[0].requires_grad_(True)  # its first micro-batch had no hook on the layer
-    accumulator.backward(_loss(net, x[8:16], y[8:16]), items=8)
-    accumulator.step(optimizer)
-    assert math.isnan(accumulator.stats.trace_sigma_estimate)
-    for rows in (slice(16, 24), slice(24, 32)):
-        accumulator.backward(_loss(net, x[rows], y[rows]), items=8)
-    accumulator.step(optimizer)
-    assert math.isfinite(accumulator.stats.trace_sigma_estimate)  # hooked from the next window on
-    accumulator.remove_hooks()
-
-
-def test_a_dropped_accumulator_takes_its_hooks_along() -> None:
-    import gc
-
-    net = _net()
-    accumulator = GradAccumulator(net.parameters(), 2, noise_scale=True)
-    assert all(p._backward_hooks for p in net.parameters())
-    del accumulator
-    gc.collect()
-    assert not any(p._backward_hooks for p in net.parameters())
 
 
 @pytest.mark.parametrize(

@@ -2,84 +2,13 @@
 
 from __future__ import annotations
 
-import runpy
-from pathlib import Path
-
 import pytest
 import torch
-from torch import nn
 
-from lightning_gradacc import GradAccumulator, GradientAccumulationCallback
+from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
-from tests.syncs import SyncCounter
 
 BATCH = 4
-
-
-# ------------------------------------------------------------------------------- bf16 accumulation
-
-
-# The README's table comes from this example; the test holds its K=1024 row to the targets.
-relative_error = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "bf16_accumulation.py"))[
-    "relative_error"
-]
-
-
-def test_fp32_buffers_keep_bf16_accumulation_at_the_rounding_floor() -> None:
-    plain = relative_error(1024, None)
-    buffered = relative_error(1024, "float32")
-    assert buffered <= 0.005
-    assert buffered * 10 <= plain
-
-
-def test_buffer_bytes_are_the_exact_size_of_the_buffers() -> None:
-    net = nn.Linear(10, 3).to(torch.bfloat16)
-    accumulator = GradAccumulator(net.parameters(), 2, accumulation_dtype="float32")
-    assert accumulator.stats.buffer_bytes == 0  # allocated lazily, at the first micro-batch
-    accumulator.backward(net(torch.randn(4, 10, dtype=torch.bfloat16)).float().pow(2).mean())
-    assert accumulator.stats.buffer_bytes == 4 * (10 * 3 + 3)
-    assert all(p.grad is None for p in net.parameters())  # .grad is released after every micro-batch
-    accumulator.backward(net(torch.randn(4, 10, dtype=torch.bfloat16)).float().pow(2).mean())
-    assert accumulator.finalize()
-    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in net.parameters())
-
-
-def test_buffers_on_float32_parameters_warn_that_they_change_nothing() -> None:
-    with pytest.warns(UserWarning, match="changes nothing: the parameters are already torch.float32"):
-        GradAccumulator(nn.Linear(2, 1).parameters(), accumulation_dtype="float32")
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"accumulation_dtype": "int32"}, "`accumulation_dtype` to be a floating dtype .* but got 'int32'"),
-        ({"overflow": "skip_micro_batch"}, "`overflow='skip_micro_batch'` .* set `accumulation_dtype`"),
-        (
-            {"clip_mode": "micro_batch", "max_grad_norm": 1.0},
-            "`clip_mode='micro_batch'` .* `accumulation_dtype`",
-        ),
-        (
-            {"clip_mode": "micro_batch", "accumulation_dtype": "float64"},
-            "clips to `max_grad_norm`, which is not",
-        ),
-        ({"clip_mode": "layer"}, "`clip_mode` to be one of .* but got 'layer'"),
-    ],
-)
-def test_invalid_buffer_settings(kwargs: dict, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        GradientAccumulationCallback(4, **kwargs)
-    with pytest.raises(ValueError, match=match):
-        GradAccumulator(nn.Linear(2, 1).parameters(), 4, **kwargs)
-
-
-def test_buffer_dtype_narrower_than_a_parameter_is_refused_before_training() -> None:
-    match = r"`accumulation_dtype=torch.float16` is narrower than parameter `0.weight` \(torch.float32\)"
-    with pytest.raises(ValueError, match=match):
-        GradAccumulator(h.regression_net().named_parameters(), accumulation_dtype="float16")
-    module = h.RegressionModule(h.regression_data(8))
-    with pytest.raises(ValueError, match=match.replace("`0.weight`", "`net.0.weight`")):
-        h.trainer(callbacks=[GradientAccumulationCallback(2, accumulation_dtype="float16")]).fit(module)
-    assert module.micro_batches_seen == 0
 
 
 # ------------------------------------------------------------------------ per-micro-batch overflow
@@ -120,25 +49,6 @@ def test_a_window_without_any_finite_micro_batch_is_skipped() -> None:
     assert (stats.dropped_micro_batches, stats.non_finite_windows, stats.skipped_steps) == (2, 0, 1)
     windows = h.windows(10, 2)
     assert h.max_abs_diff(module.net, reference(windows, skip_windows=[1])) < 1e-6
-
-
-def test_skip_micro_batch_does_not_sync_while_accumulating() -> None:
-    net = h.regression_net()
-    accumulator = GradAccumulator(
-        net.parameters(), 4, overflow="skip_micro_batch", accumulation_dtype="float64"
-    )
-    x, y = h.regression_data(16).tensors
-    counter = SyncCounter()
-    with counter.patched():
-        for index in range(4):
-            loss = h.mse(net, x[index * 4 : index * 4 + 4], y[index * 4 : index * 4 + 4])
-            with counter.counting():
-                accumulator.backward(loss * (float("nan") if index == 1 else 1.0), items=torch.tensor(4))
-        assert counter.calls == []
-        with counter.counting():
-            assert accumulator.finalize()
-        assert counter.calls == ["tolist"]
-    assert (accumulator.stats.dropped_micro_batches, accumulator.stats.non_finite_windows) == (1, 0)
 
 
 def test_micro_batch_clipping_clips_each_micro_batch_before_adding() -> None:

@@ -1,4 +1,5 @@
-"""Argument checks of GradAccumulator: each names the argument, the value and what is allowed."""
+"""Argument checks of GradAccumulator (the callback shares them): each names the argument, the value and
+what is allowed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gradacc import GradAccumulator
+from lightning_gradacc import GradAccumulator, GradientAccumulationCallback
 
 
 @pytest.mark.parametrize(
@@ -46,3 +47,26 @@ def test_clip_scope_parameter_needs_max_grad_norm() -> None:
         GradAccumulator([weight], 2, clip_scope="parameter")
     with pytest.raises(ValueError, match="clip_scope"):
         GradAccumulator([weight], 2, max_grad_norm=1.0, clip_scope="tensor")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"accumulation_dtype": "int32"}, "`accumulation_dtype` to be a floating dtype .* but got 'int32'"),
+        ({"overflow": "skip_micro_batch"}, "`overflow='skip_micro_batch'` .* set `accumulation_dtype`"),
+        (
+            {"clip_mode": "micro_batch", "max_grad_norm": 1.0},
+            "`clip_mode='micro_batch'` .* `accumulation_dtype`",
+        ),
+        (
+            {"clip_mode": "micro_batch", "accumulation_dtype": "float64"},
+            "clips to `max_grad_norm`, which is not",
+        ),
+        ({"clip_mode": "layer"}, "`clip_mode` to be one of .* but got 'layer'"),
+    ],
+)
+def test_invalid_buffer_settings(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GradientAccumulationCallback(4, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        GradAccumulator(nn.Linear(2, 1).parameters(), 4, **kwargs)
