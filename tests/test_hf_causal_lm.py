@@ -14,13 +14,11 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import pytorch_lightning as pl
 import torch
-import yaml
 from torch import Tensor
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -180,28 +178,3 @@ def test_counters_shift_along_the_last_dimension() -> None:
         count_predicted_tokens({"labels": torch.tensor(3)})
     with pytest.raises(KeyError, match="`count_predicted_tokens` expects a 'labels' entry"):
         count_predicted_tokens({"input_ids": labels})
-
-
-def test_counters_are_import_paths_in_yaml(tmp_path: Path) -> None:
-    """Both forms the README shows: an import path, and a ``class_path`` with ``init_args``."""
-    from lightning_gradacc.cli import build_cli
-
-    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/token_lm.yaml").read_text())
-    init_args = config["trainer"]["callbacks"][0]["init_args"]
-    labels = torch.tensor([[5, 6, -1, -1], [7, 8, 9, -100]])  # shifted: [[6, -1, -1], [8, 9, -100]]
-    token_counter = (
-        "{class_path: lightning_gradacc.counters.TokenCounter, init_args: {ignore_index: -1, shift: true}}"
-    )
-    for item_count_fn, expected_count in [
-        ("lightning_gradacc.counters.count_predicted_tokens", 5),  # -1 counts, -100 does not
-        (token_counter, 4),  # -100 counts, -1 does not
-    ]:
-        init_args["item_count_fn"] = yaml.safe_load(item_count_fn) if "{" in item_count_fn else item_count_fn
-        path = tmp_path / "counter.yaml"
-        path.write_text(yaml.safe_dump(config))
-        cli = build_cli(["--config", str(path)], run=False)
-        (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, GradientAccumulationCallback)]
-        counter = callback.item_count_fn
-        assert isinstance(counter, TokenCounter) == ("TokenCounter" in item_count_fn)
-        assert counter is count_predicted_tokens or (counter.ignore_index, counter.shift) == (-1, True)
-        assert int(counter({"labels": labels})) == expected_count

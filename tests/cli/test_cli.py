@@ -14,7 +14,7 @@ import yaml
 
 from lightning_gradacc import GradientAccumulationCallback
 from lightning_gradacc.cli import build_cli
-from lightning_gradacc.counters import count_tokens
+from lightning_gradacc.counters import TokenCounter, count_predicted_tokens, count_tokens
 from tests.helpers import CONFIGS, QUICK, ROOT, the_callback
 
 SINGLE_PROCESS = [path for path in CONFIGS if path.stem != "ddp_cpu"]
@@ -179,3 +179,28 @@ def test_python_dash_m_entry_point() -> None:
     )
     assert result.returncode == 0
     assert all(sub in result.stdout for sub in ("fit", "validate", "test", "predict"))
+
+
+def test_counters_are_import_paths_in_yaml(tmp_path: Path) -> None:
+    """Both forms the README shows: an import path, and a ``class_path`` with ``init_args``."""
+    from lightning_gradacc.cli import build_cli
+
+    config = yaml.safe_load((ROOT / "configs/token_lm.yaml").read_text())
+    init_args = config["trainer"]["callbacks"][0]["init_args"]
+    labels = torch.tensor([[5, 6, -1, -1], [7, 8, 9, -100]])  # shifted: [[6, -1, -1], [8, 9, -100]]
+    token_counter = (
+        "{class_path: lightning_gradacc.counters.TokenCounter, init_args: {ignore_index: -1, shift: true}}"
+    )
+    for item_count_fn, expected_count in [
+        ("lightning_gradacc.counters.count_predicted_tokens", 5),  # -1 counts, -100 does not
+        (token_counter, 4),  # -100 counts, -1 does not
+    ]:
+        init_args["item_count_fn"] = yaml.safe_load(item_count_fn) if "{" in item_count_fn else item_count_fn
+        path = tmp_path / "counter.yaml"
+        path.write_text(yaml.safe_dump(config))
+        cli = build_cli(["--config", str(path)], run=False)
+        (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, GradientAccumulationCallback)]
+        counter = callback.item_count_fn
+        assert isinstance(counter, TokenCounter) == ("TokenCounter" in item_count_fn)
+        assert counter is count_predicted_tokens or (counter.ignore_index, counter.shift) == (-1, True)
+        assert int(counter({"labels": labels})) == expected_count
