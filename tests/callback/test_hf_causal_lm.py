@@ -1,4 +1,4 @@
-"""A Hugging Face causal LM trained through Lightning equals one big batch per window (issue #18, item 4).
+"""A Hugging Face causal LM trained through Lightning equals one big batch per window.
 
 ``GPT2LMHeadModel(labels=...)`` shifts the labels inside the model: position t predicts label t + 1, so
 the first label of every sequence is never a target and the loss is a mean over ``labels[:, 1:]``. The

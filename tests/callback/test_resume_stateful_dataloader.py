@@ -1,4 +1,4 @@
-"""Exact mid-window resume with torchdata's ``StatefulDataLoader`` (issue #18, item 13).
+"""Exact mid-window resume with torchdata's ``StatefulDataLoader``.
 
 Lightning saves the ``state_dict()`` of every train dataloader that has one in the checkpoint
 (``FitLoop.on_save_checkpoint`` -> ``CombinedLoader._state_dicts``) and loads it back before the first
