@@ -203,6 +203,19 @@ def ordered_loader(
     return loader_class(data, batch_size=batch_size, shuffle=False)
 
 
+class BatchList:
+    """A sized iterable without a ``batch_size`` (a plain list would be taken for a list of dataloaders)."""
+
+    def __init__(self, batches: Any) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)

@@ -1,0 +1,58 @@
+"""No host sync on the micro-batches that accumulate, through ``Trainer.fit``: one per optimizer step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lightning_gradacc import GradientAccumulationCallback
+from tests import helpers as h
+from tests.syncs import SyncCounter
+
+
+class CountingCallback(GradientAccumulationCallback):
+    """Counts sync-forcing tensor calls made inside the callback's hooks."""
+
+    def __init__(self, counter: SyncCounter, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counter = counter
+        self.per_batch: list[tuple[bool, int]] = []  # (stepped, syncs) per micro-batch
+        self._calls_at_start = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._calls_at_start = len(self.counter.calls)
+        with self.counter.counting():
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        with self.counter.counting():
+            super().on_before_backward(trainer, pl_module, loss)
+
+    def on_after_backward(self, trainer, pl_module):
+        with self.counter.counting():
+            super().on_after_backward(trainer, pl_module)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        with self.counter.counting():
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with self.counter.counting():
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.per_batch.append((self._stepped, len(self.counter.calls) - self._calls_at_start))
+
+
+@pytest.mark.parametrize("scaling", ["mean", "weighted"])
+def test_no_host_sync_on_accumulating_micro_batches(scaling: str) -> None:
+    counter = SyncCounter()
+    kwargs = {"item_count_fn": h.count_tokens} if scaling == "weighted" else {}
+    callback = CountingCallback(counter, 4, scaling=scaling, max_grad_norm=1.0, **kwargs)
+    with counter.patched():
+        h.trainer(callbacks=[callback], logger=h.MetricsRecorder(), log_every_n_steps=1).fit(
+            h.TokenModule(h.token_data())
+        )
+    accumulating = [syncs for stepped, syncs in callback.per_batch if not stepped]
+    stepping = [syncs for stepped, syncs in callback.per_batch if stepped]
+    assert len(accumulating) == 9 and set(accumulating) == {0}
+    assert len(stepping) == 3 and set(stepping) == {1}  # the skip decision; logging reuses it
