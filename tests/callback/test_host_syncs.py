@@ -1,13 +1,17 @@
-"""No host sync on the micro-batches that accumulate, through ``Trainer.fit``: one per optimizer step."""
+"""No host sync on the micro-batches that accumulate, through ``Trainer.fit``: counted by patching the
+calls that force one on CPU, made an error by CUDA's sync debug mode on a GPU; one per optimizer step."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
+import torch
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
+from tests.helpers import cuda_only
 from tests.syncs import SyncCounter
 
 
@@ -56,3 +60,31 @@ def test_no_host_sync_on_accumulating_micro_batches(scaling: str) -> None:
     stepping = [syncs for stepped, syncs in callback.per_batch if stepped]
     assert len(accumulating) == 9 and set(accumulating) == {0}
     assert len(stepping) == 3 and set(stepping) == {1}  # the skip decision; logging reuses it
+
+
+def guard_hooks_against_syncs(callback: GradientAccumulationCallback) -> None:
+    """Make every host sync inside the callback's per-micro-batch hooks an error (CUDA's sync debug mode)."""
+    for hook in ("on_train_batch_start", "on_before_backward", "on_after_backward"):
+        original = getattr(callback, hook)
+
+        def guarded(trainer: pl.Trainer, *args: Any, __original: Any = original) -> Any:
+            accumulating = trainer.fit_loop._should_accumulate()
+            torch.cuda.set_sync_debug_mode("error" if accumulating else "default")
+            try:
+                return __original(trainer, *args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        setattr(callback, hook, guarded)
+
+
+@cuda_only
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"scaling": "weighted", "item_count_fn": h.count_tokens}, {"accumulation_dtype": "float64"}],
+)
+def test_no_host_sync_while_accumulating_on_cuda(kwargs: dict[str, Any]) -> None:
+    callback = GradientAccumulationCallback(4, **kwargs)
+    guard_hooks_against_syncs(callback)
+    h.trainer(accelerator="cuda", callbacks=[callback]).fit(h.TokenModule(h.token_data()))
+    assert callback.stats.windows == 3

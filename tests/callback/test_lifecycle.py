@@ -1,6 +1,5 @@
 """What a fit leaves behind and what the next one starts from: a fit that raised inside a window, training
-ended inside a window, and a parameter group added between windows (``BaseFinetuning``) with the noise
-scale measuring."""
+ended inside a window."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import BackboneFinetuning
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
@@ -67,43 +65,3 @@ def test_training_that_ends_inside_a_window_discards_its_gradients() -> None:
         trainer.fit(module)
     assert all(p.grad is None for p in module.net.parameters())
     assert h.max_abs_diff(module.net, h.regression_reference([[0, 1, 2, 3]])) < 1e-6
-
-
-# ------------------------------------------------------------------ a group added, noise scale measuring
-
-
-class Backbone(h.RegressionModule):
-    """Learning rate 0: the model is fixed, so every window's estimate depends only on its data."""
-
-    def __init__(self) -> None:
-        super().__init__(h.regression_data(32), lr=0.0)
-        self.backbone = self.net[0]
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.0)
-
-
-def _estimates_by_window(finetuning: bool) -> list[tuple[float, float]]:
-    rows: list[tuple[float, float]] = []
-
-    class Read(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            if (args[-1] + 1) % 4 == 0:  # batch_idx: a window's last micro-batch
-                stats = callback.stats
-                rows.append((stats.grad_sq_norm_estimate, stats.trace_sigma_estimate))
-
-    callback = GradientAccumulationCallback(4, noise_scale=True)
-    extra = [BackboneFinetuning(unfreeze_backbone_at_epoch=1)] if finetuning else []
-    h.trainer(callbacks=[callback, *extra, Read()], max_epochs=2).fit(Backbone())
-    return rows
-
-
-def test_a_group_added_at_an_epoch_start_is_measured_from_the_window_s_first_micro_batch() -> None:
-    """``BackboneFinetuning`` adds the backbone's group in ``on_train_epoch_start``: the first window of
-    epoch 1 measures the whole model from its first micro-batch, as a run that never froze it does."""
-    finetuned = _estimates_by_window(finetuning=True)
-    never_frozen = _estimates_by_window(finetuning=False)
-    assert len(finetuned) == len(never_frozen) == 4
-    assert finetuned[0] != pytest.approx(never_frozen[0], rel=1e-3)  # epoch 0: the backbone is frozen
-    for window in (2, 3):
-        assert finetuned[window] == pytest.approx(never_frozen[window], rel=1e-9)

@@ -1,4 +1,5 @@
-"""The gradient noise scale against the truth.
+"""The gradient noise scale through ``Trainer.fit``: against the truth, and what the callback refuses, warns
+about, saves and must not change.
 
 A fixed model (learning rate 0: the parameters never move) on a finite data set sampled with replacement:
 its per-sample gradients, computed exactly with ``torch.func``, give the true |G|² (the squared norm of
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import BackboneFinetuning
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, Sampler
@@ -153,7 +155,7 @@ def test_estimates_match_the_truth_across_two_ddp_processes(tmp_path: Path) -> N
     check_against_truth(torch.load(out), WINDOWS // 3)
 
 
-# ------------------------------------------------------------------------------------------ pieces
+# -------------------------------------------------------------------------- refused, warned about, saved
 
 
 def test_noise_scale_refuses_what_breaks_its_assumptions() -> None:
@@ -195,31 +197,6 @@ def test_the_averages_survive_a_checkpoint(tmp_path: Path) -> None:
     assert math.isfinite(uninterrupted.noise_scale)
     assert resumed.noise_scale == pytest.approx(uninterrupted.noise_scale, rel=1e-12)
     assert first.noise_scale != pytest.approx(uninterrupted.noise_scale, rel=1e-3)
-
-
-# --------------------------------------------------------------------- what must not bias the estimate
-
-
-@pytest.mark.parametrize(
-    ("noise", "items", "expected"),
-    [
-        (1000.0, 128.0, "well below the gradient noise scale (1,000 items): a larger batch"),
-        (50.0, 128.0, "well above the gradient noise scale (50 items): each step uses more items"),
-        (100.0, 128.0, "close to the gradient noise scale (100 items)"),
-        (-3.0, 128.0, "no usable estimate yet"),
-        (12.5, 0.0, "12.5 micro-batches (no item counts were known"),
-    ],
-)
-def test_the_summary_says_which_side_of_the_noise_scale_the_run_is_on(
-    noise: float, items: float, expected: str
-) -> None:
-    from lightning_gradacc.stats import AccumulationStats
-    from lightning_gradacc.summary import format_summary, noise_sentence
-
-    stats = AccumulationStats(items_last_step=items, noise_scale=noise)
-    assert expected in (noise_sentence(stats) or "")
-    assert expected in format_summary(stats, 0.5, None)
-    assert noise_sentence(AccumulationStats()) is None  # not measured: nothing said
 
 
 # ------------------------------------------------------------- combined with the rest of Lightning
@@ -286,3 +263,43 @@ def test_measuring_does_not_change_training(namespace: str, combination: str, tm
     measured, stats = run(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, measured, strict=True))
     assert math.isfinite(stats.grad_sq_norm_estimate) or math.isfinite(stats.noise_scale)
+
+
+# ------------------------------------------------------------- a parameter group added at an epoch start
+
+
+class Backbone(h.RegressionModule):
+    """Learning rate 0: the model is fixed, so every window's estimate depends only on its data."""
+
+    def __init__(self) -> None:
+        super().__init__(h.regression_data(32), lr=0.0)
+        self.backbone = self.net[0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.0)
+
+
+def _estimates_by_window(finetuning: bool) -> list[tuple[float, float]]:
+    rows: list[tuple[float, float]] = []
+
+    class Read(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if (args[-1] + 1) % 4 == 0:  # batch_idx: a window's last micro-batch
+                stats = callback.stats
+                rows.append((stats.grad_sq_norm_estimate, stats.trace_sigma_estimate))
+
+    callback = GradientAccumulationCallback(4, noise_scale=True)
+    extra = [BackboneFinetuning(unfreeze_backbone_at_epoch=1)] if finetuning else []
+    h.trainer(callbacks=[callback, *extra, Read()], max_epochs=2).fit(Backbone())
+    return rows
+
+
+def test_a_group_added_at_an_epoch_start_is_measured_from_the_window_s_first_micro_batch() -> None:
+    """``BackboneFinetuning`` adds the backbone's group in ``on_train_epoch_start``: the first window of
+    epoch 1 measures the whole model from its first micro-batch, as a run that never froze it does."""
+    finetuned = _estimates_by_window(finetuning=True)
+    never_frozen = _estimates_by_window(finetuning=False)
+    assert len(finetuned) == len(never_frozen) == 4
+    assert finetuned[0] != pytest.approx(never_frozen[0], rel=1e-3)  # epoch 0: the backbone is frozen
+    for window in (2, 3):
+        assert finetuned[window] == pytest.approx(never_frozen[window], rel=1e-9)

@@ -8,6 +8,7 @@ import pytest
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
+from tests.helpers import cuda_only
 
 BATCH = 4
 
@@ -169,3 +170,13 @@ def test_per_parameter_clipping_through_the_callback(scaling: str) -> None:
     assert h.max_abs_diff(per_parameter, reference(h.windows(10, 4), max_grad_norm=0.2)) > 1e-3
     assert callback.stats.clipped_steps == 3
     assert callback.stats.last_grad_norm > 0.2  # the global norm, before clipping, is reported
+
+
+@cuda_only
+def test_partial_window_oracle_on_cuda() -> None:
+    module = h.RegressionModule(h.regression_data(40))
+    h.trainer(accelerator="cuda", callbacks=[GradientAccumulationCallback(4, max_grad_norm=0.5)]).fit(module)
+    expected = h.big_batch_reference(
+        h.regression_net(), h.regression_data(40), 4, h.windows(10, 4), h.mse, max_grad_norm=0.5
+    )
+    assert h.max_abs_diff(module.net.cpu(), expected) < 1e-5

@@ -38,3 +38,25 @@ def test_the_summary_gives_the_noise_scale_its_unit_or_says_it_has_none(
     stats = AccumulationStats(noise_scale=noise_scale, items_last_step=items, items_last_full_step=items)
     row = next(line for line in format_summary(stats, 0.5, None).splitlines() if "noise scale" in line)
     assert row.endswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("noise", "items", "expected"),
+    [
+        (1000.0, 128.0, "well below the gradient noise scale (1,000 items): a larger batch"),
+        (50.0, 128.0, "well above the gradient noise scale (50 items): each step uses more items"),
+        (100.0, 128.0, "close to the gradient noise scale (100 items)"),
+        (-3.0, 128.0, "no usable estimate yet"),
+        (12.5, 0.0, "12.5 micro-batches (no item counts were known"),
+    ],
+)
+def test_the_summary_says_which_side_of_the_noise_scale_the_run_is_on(
+    noise: float, items: float, expected: str
+) -> None:
+    from lightning_gradacc.stats import AccumulationStats
+    from lightning_gradacc.summary import format_summary, noise_sentence
+
+    stats = AccumulationStats(items_last_step=items, noise_scale=noise)
+    assert expected in (noise_sentence(stats) or "")
+    assert expected in format_summary(stats, 0.5, None)
+    assert noise_sentence(AccumulationStats()) is None  # not measured: nothing said
