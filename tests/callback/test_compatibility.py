@@ -1,6 +1,7 @@
-"""What the callback refuses or warns about before training: manual optimization, Lightning's own scheduler,
-a second instance, a conflicting K, strategies that accumulate themselves or that it does not support,
-FSDP without original parameters, clipping twice."""
+"""What the callback refuses or warns about: manual optimization, Lightning's own scheduler, a second
+instance, a conflicting K, strategies that accumulate themselves or that it does not support, FSDP without
+original parameters, clipping twice, an overridden ``optimizer_step``, LBFGS beyond K=1 (its closure's
+evaluations are not windows), ``training_step(dataloader_iter)``."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import pytest
 import torch
 from pytorch_lightning.callbacks import GradientAccumulationScheduler
 from pytorch_lightning.strategies import FSDPStrategy, SingleDeviceStrategy
+from torch import Tensor, nn
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
+from tests.helpers import fit
+
+reference = h.regression_reference
 
 
 def test_manual_optimization_points_to_the_core() -> None:
@@ -106,3 +111,53 @@ def test_double_clipping_warns() -> None:
     trainer = h.trainer(callbacks=[GradientAccumulationCallback(2, max_grad_norm=1.0)], gradient_clip_val=1.0)
     with pytest.warns(UserWarning, match="clipped twice"):
         trainer.fit(h.RegressionModule(h.regression_data(8)))
+
+
+class OverridesOptimizerStep(h.RegressionModule):
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+
+
+def test_overridden_optimizer_step_warns_as_lightnings_scheduler_does() -> None:
+    with pytest.warns(
+        UserWarning, match="override `LightningModule.optimizer_step` or `optimizer_zero_grad`"
+    ):
+        fit(OverridesOptimizerStep(h.regression_data(40)), GradientAccumulationCallback(4))
+
+
+class LBFGSModule(h.RegressionModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+def test_lbfgs_closure_evaluations_are_not_counted_as_windows() -> None:
+    module = LBFGSModule(h.regression_data(40))
+    callback = GradientAccumulationCallback(1, max_grad_norm=100.0)
+    trainer = fit(module, callback)
+    plain = LBFGSModule(h.regression_data(40))
+    fit(plain)
+    assert h.max_abs_diff(module.net, plain.net) < 1e-6  # K=1: nothing to change
+    assert callback.stats.windows == trainer.global_step == 10
+    assert callback.stats.total_micro_batches == 10
+
+
+def test_lbfgs_with_accumulation_is_refused_before_training() -> None:
+    with pytest.raises(RuntimeError, match=r"LBFGS.*Use K=1"):
+        fit(LBFGSModule(h.regression_data(40)), GradientAccumulationCallback(2))
+
+
+class IteratesItself(h.RegressionModule):
+    def training_step(self, dataloader_iter: Any) -> Tensor:  # type: ignore[override]
+        (x, y), _, _ = next(dataloader_iter)
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def test_training_step_with_dataloader_iter_is_refused_when_accumulating() -> None:
+    """Lightning zeroes gradients there with a stale batch index: the first micro-batch would be lost."""
+    with pytest.raises(RuntimeError, match=r"`training_step\(self, dataloader_iter\)` cannot accumulate"):
+        fit(IteratesItself(h.regression_data(40)), GradientAccumulationCallback(4))
+    with pytest.raises(RuntimeError, match=r"K=3 adopted from `Trainer\(accumulate_grad_batches=3\)`"):
+        fit(IteratesItself(h.regression_data(40)), GradientAccumulationCallback(), accumulate_grad_batches=3)
+    module = IteratesItself(h.regression_data(40))
+    fit(module, GradientAccumulationCallback(1))
+    assert h.max_abs_diff(module.net, reference(h.windows(10, 1))) < 1e-6

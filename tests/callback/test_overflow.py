@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from lightning_gradacc import GradientAccumulationCallback, GradientOverflowError
 from tests import helpers as h
+from tests.helpers import fit
 
 BATCH = 4
 
@@ -94,3 +97,27 @@ def test_16_mixed_raise_policy_warns_that_the_scaler_decides() -> None:
     trainer, _ = amp_trainer(callback)
     with pytest.warns(UserWarning, match="cannot take effect under a GradScaler"):
         trainer.fit(h.RegressionModule(h.regression_data(40)))
+
+
+class ClipsByValueItself(h.RegressionModule):
+    """The documented override: a hard-coded clip that ignores the Trainer's `gradient_clip_val`."""
+
+    def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+
+
+def test_a_skipped_window_with_the_modules_own_clipping_by_value() -> None:
+    module = ClipsByValueItself(h.regression_data(40), nan_at=[5])  # window 1 is not finite
+    callback = GradientAccumulationCallback(4)
+    with pytest.warns(UserWarning, match="optimizer step was skipped"):
+        fit(module, callback)  # crashed: torch's clip_grad_value_ on a list with no gradient
+    net, x_y = h.regression_net(), h.regression_data(40).tensors
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for index, window in enumerate(h.windows(10, 4)):  # the reference clips by value as the module does
+        rows = torch.cat([torch.arange(b * BATCH, (b + 1) * BATCH) for b in window])
+        optimizer.zero_grad()
+        h.mse(net, *(t[rows] for t in x_y)).backward()
+        torch.nn.utils.clip_grad_value_(net.parameters(), 0.01)
+        if index != 1:
+            optimizer.step()
+    assert h.max_abs_diff(module.net, net) < 1e-6
