@@ -1,6 +1,7 @@
-"""Small models, data and plain-PyTorch big-batch references shared by the tests.
+"""Small models, data, plain-PyTorch big-batch references and the other helpers shared by the tests.
 
-Everything here is deterministic and importable by spawned DDP workers (``tests.helpers``).
+A helper that more than one test file uses lives here: test files do not import each other. Everything here is
+deterministic and importable by spawned DDP workers (``tests.helpers``).
 """
 
 from __future__ import annotations

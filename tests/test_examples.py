@@ -1,5 +1,7 @@
-"""The README's tables come from the examples: keep their claims true (``examples/partial_window.py``'s
-comparison, ``examples/bf16_accumulation.py``'s rounding error)."""
+"""The examples behind the README's tables keep their claims true.
+
+``examples/partial_window.py``'s comparison and ``examples/bf16_accumulation.py``'s rounding error.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The callback's arguments are checked when it is built: each error names the argument, the value and what
-is allowed."""
+"""The callback's arguments are checked when it is built, each error naming the argument and the value."""
 
 from __future__ import annotations
 

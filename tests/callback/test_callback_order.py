@@ -1,5 +1,7 @@
-"""Every callback and the module see the final gradient in ``on_before_optimizer_step``, whatever the order of
-the callbacks, even with one that moves itself first in ``setup``."""
+"""Every callback and the module see the final gradient before the optimizer step, in any callback order.
+
+Even a callback that moves itself first in ``setup``; the norms they see are the big batch's.
+"""
 
 from __future__ import annotations
 

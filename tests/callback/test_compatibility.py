@@ -1,7 +1,10 @@
-"""What the callback refuses or warns about: manual optimization, Lightning's own scheduler, a second
-instance, a conflicting K, strategies that accumulate themselves or that it does not support, FSDP without
-original parameters, clipping twice, an overridden ``optimizer_step``, LBFGS beyond K=1 (its closure's
-evaluations are not windows), ``training_step(dataloader_iter)``."""
+"""What the callback refuses or warns about: setups it cannot accumulate correctly under.
+
+Manual optimization, Lightning's own scheduler, a second instance, a conflicting K, strategies that accumulate
+themselves or that it does not support, FSDP without original parameters, clipping twice, an overridden
+``optimizer_step``, LBFGS beyond K=1 (its closure's evaluations are not windows),
+``training_step(dataloader_iter)``.
+"""
 
 from __future__ import annotations
 

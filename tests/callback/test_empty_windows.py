@@ -1,6 +1,9 @@
-"""Batches and windows with nothing to step, against plain-PyTorch oracles: ``training_step`` returning
-``None`` (inside a window, at its end, for a whole window, under a GradScaler) and the forward-only
-BatchNorm epoch of ``StochasticWeightAveraging``."""
+"""Batches and windows with nothing to step: ``training_step`` returning ``None``, SWA's BatchNorm epoch.
+
+Against plain-PyTorch oracles: ``None`` inside a window, at its end, for a whole window and under a
+GradScaler; the forward-only BatchNorm epoch of ``StochasticWeightAveraging``, with the callback before or
+after it.
+"""
 
 from __future__ import annotations
 

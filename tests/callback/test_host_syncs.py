@@ -1,5 +1,8 @@
-"""No host sync on the micro-batches that accumulate, through ``Trainer.fit``: counted by patching the
-calls that force one on CPU, made an error by CUDA's sync debug mode on a GPU; one per optimizer step."""
+"""No host sync on the micro-batches that accumulate through ``Trainer.fit``; one per optimizer step.
+
+On CPU the calls that force one are counted by patching them (``tests/syncs.py``); on a GPU, CUDA's sync debug
+mode makes any of them an error.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""Item counts through ``Trainer.fit``: counts of any kind (tensor, float, numpy) and micro-batches or windows
-without items match the big batch; ``scaling="weighted"`` refuses an ambiguous batch size, a bad
-``item_count_fn`` result names its batch, and batches whose size cannot be inferred warn once."""
+"""Item counts through ``Trainer.fit``: of any kind, zero, ambiguous, bad, or not inferable.
+
+Counts of any kind (tensor, float, numpy) and micro-batches or windows without items match the big batch;
+``scaling="weighted"`` refuses an ambiguous batch size, a bad ``item_count_fn`` result names its batch, and
+batches whose size cannot be inferred warn once.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""What a fit leaves behind and what the next one starts from: a fit that raised inside a window, training or
-an epoch that ended inside one, a callback reused by the next fit (its K adopted or resolved again, pickled
-for ``ddp_spawn``), a validated mid-window checkpoint."""
+"""What a fit leaves behind and what the next fit with the same callback starts from.
+
+A fit that raised inside a window, training or an epoch that ended inside one, a callback reused by the next
+fit (its K adopted or resolved again, pickled for ``ddp_spawn``), a validated mid-window checkpoint.
+"""
 
 from __future__ import annotations
 

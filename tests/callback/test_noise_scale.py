@@ -1,5 +1,4 @@
-"""The gradient noise scale through ``Trainer.fit``: against the truth, and what the callback refuses, warns
-about, saves and must not change.
+"""The gradient noise scale through ``Trainer.fit``, against the truth; measuring it never changes training.
 
 A fixed model (learning rate 0: the parameters never move) on a finite data set sampled with replacement:
 its per-sample gradients, computed exactly with ``torch.func``, give the true |G|² (the squared norm of
@@ -7,6 +6,9 @@ their mean) and tr(Σ) (their summed variance). The per-step estimates of a real
 over many windows, must match them within 4 standard errors of that average, which itself is at most a
 few percent of the truth: with K micro-batches on one process, with 2 DDP processes, and with micro-batches
 of unequal sizes weighted by their items.
+
+Also what the callback refuses and warns about, the averages across a checkpoint, a parameter group added at
+an epoch start, and Lightning's own callbacks combined with it (the same parameters, bit for bit).
 """
 
 from __future__ import annotations

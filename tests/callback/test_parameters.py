@@ -1,6 +1,8 @@
-"""Which parameters a step covers, against plain-PyTorch oracles: a layer unfrozen or a parameter group added
-during the fit (``BaseFinetuning``, inside ``training_step``), parameters outside the optimizer, lazy
-parameters."""
+"""Which parameters a step covers: unfrozen or added during the fit, outside the optimizer, or lazy.
+
+Against plain-PyTorch oracles: a layer unfrozen or a parameter group added during the fit (``BaseFinetuning``,
+inside ``training_step``), parameters that require grad outside the optimizer, lazy parameters.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""Low precision through ``Trainer.fit``: 16-mixed with wider buffers (unscaled, and the GradScaler still
-backs off), a GradScaler without a tensor scale, fp16 weights with huge item counts (the reference count
-follows the counts from window to window)."""
+"""Low precision through ``Trainer.fit``: 16-mixed with a GradScaler, fp16 with huge item counts.
+
+16-mixed with wider buffers (unscaled, and the GradScaler still backs off), a GradScaler without a tensor
+scale refused, fp16 weights with huge item counts (the reference count follows the counts from window to
+window).
+"""
 
 from __future__ import annotations
 

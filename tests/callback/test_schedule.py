@@ -1,6 +1,9 @@
-"""How many micro-batches a window holds, through ``Trainer.fit``: a target batch size is resolved before
-``configure_optimizers`` (with data built in ``setup``, under a batch size finder) and needs a fixed batch
-size; a step-interval LR scheduler gets the exact step count of an epoch schedule."""
+"""How many micro-batches a window holds through ``Trainer.fit``, and the step count LR schedulers see.
+
+A target batch size is resolved before ``configure_optimizers`` (with data built in ``setup``, under a batch
+size finder) and needs a fixed batch size; a step-interval LR scheduler gets the exact step count of an epoch
+schedule.
+"""
 
 from __future__ import annotations
 

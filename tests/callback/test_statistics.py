@@ -1,5 +1,8 @@
-"""The callback's statistics through ``Trainer.fit``: logged once per optimizer step with exact values (as
-often as asked), a frozen snapshot of plain numbers, in ``callback_metrics`` without a logger."""
+"""The callback's statistics: logged once per optimizer step with exact values, and read without a logger.
+
+As often as asked (``log_every_n_steps``, ``log_stats``), as a frozen snapshot of plain numbers, and in
+``callback_metrics`` without a logger.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The summary printed at the end of a fit: the effective batch of a full step beside the last partial one,
-the noise scale with its unit."""
+"""The summary printed at the end of a fit: the effective batch and the noise scale, with their units."""
 
 from __future__ import annotations
 

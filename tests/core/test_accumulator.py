@@ -1,6 +1,8 @@
-"""GradAccumulator in a plain PyTorch loop, end to end, against big-batch references: scaling, overflow
-policies, clipping (as torch clips the big batch), host syncs, what a window may not change, AMP scalers
-and the window's loss."""
+"""GradAccumulator in a plain PyTorch loop, end to end, against big-batch references.
+
+Scaling, overflow policies, clipping (as torch clips the big batch), host syncs, what a window may not change,
+AMP scalers and the window's loss.
+"""
 
 from __future__ import annotations
 

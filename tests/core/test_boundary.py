@@ -1,6 +1,9 @@
-"""The boundary's stateless math against plain torch: ``clip_grads_`` against ``torch.nn.utils`` clipping
-(of the total norm and per parameter, any norm type and mix of dtypes) with a tolerance close to the real
-rounding error, and ``decide`` on the host and on the device alike."""
+"""The boundary's stateless math: ``clip_grads_`` and ``decide`` against plain torch.
+
+``clip_grads_`` against ``torch.nn.utils`` clipping (of the total norm and per parameter, any norm type and
+mix of dtypes) with a tolerance close to the real rounding error; ``decide`` on the host and on the device
+alike.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Accumulation buffers wider than the parameters: their exact size, what they refuse or warn about, their
-mean over the ranks at the window's end, bf16 parameters on CUDA."""
+"""Accumulation buffers wider than the parameters: their size, refusals, warnings and mean over ranks.
+
+Also bf16 parameters with fp32 buffers on CUDA (skipped without a GPU).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Saved states: the accumulator's counters and its open window load back exactly; a state of another format
-version, or with a missing or bad value, is refused before anything changes."""
+"""Saved states: the accumulator's counters and its open window load back exactly, or are refused.
+
+A state of another format version, or with a missing or bad value, is refused before anything changes.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""The fused kernels (one ``torch._foreach_*`` call per device and dtype group) against elementwise torch, and
-their ``foreach`` contract: the same as ``torch.nn.utils.clip_grad_norm_``'s."""
+"""The fused kernels against elementwise torch, and their ``foreach`` contract (the same as torch's).
+
+One ``torch._foreach_*`` call per device and dtype group; ``foreach`` behaves as in
+``torch.nn.utils.clip_grad_norm_``.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""The ledger against a fold written out: host and device values in any order, counted or not, synced every
-``MAX_PENDING`` windows, deferred values computed once when read, and loading by name."""
+"""The ledger of statistics against a fold written out.
+
+Host and device values in any order, counted or not, synced every ``MAX_PENDING`` windows, deferred values
+computed once when read, and loading by name.
+"""
 
 from __future__ import annotations
 

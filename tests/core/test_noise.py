@@ -1,6 +1,8 @@
-"""The noise scale's pieces in plain loops: the estimate by hand, its averages and hooks, and what must not
-bias it (the norm type, the AMP scale, other passes through the hooks, fp16 gradients, windows that cannot
-be measured)."""
+"""The noise scale's pieces in plain loops: the estimate, its averages and hooks, what must not bias it.
+
+The estimate by hand; what must not bias it: the norm type, the AMP scale, other passes through the hooks,
+fp16 gradients, windows that cannot be measured.
+"""
 
 from __future__ import annotations
 

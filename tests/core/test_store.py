@@ -1,5 +1,8 @@
-"""WindowGradients (``accumulator.gradients``): gradients added by name (``torch.func``) equal a backward's
-and the big batch's, bad ones are refused before anything changes; the mapping interface and ``remove``."""
+"""WindowGradients (``accumulator.gradients``): gradients added by name, as a backward would add them.
+
+Gradients from ``torch.func`` equal a backward's and the big batch's, bad ones are refused before anything
+changes; the mapping interface and ``remove``.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Argument checks of GradAccumulator (the callback shares them): each names the argument, the value and
-what is allowed."""
+"""Argument checks of GradAccumulator (shared with the callback): each names the argument and the value."""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""Item counts: any finite number >= 0, on the host or the device, checked without a sync; a bad or missing
-one is refused at the window's boundary, naming the micro-batch, on every rank together."""
+"""Item counts: any finite number >= 0, checked without a sync, refused at the boundary on every rank.
+
+On the host or the device; a bad or missing one is refused at the window's boundary, naming the micro-batch,
+on every rank together.
+"""
 
 from __future__ import annotations
 

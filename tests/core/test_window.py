@@ -1,5 +1,8 @@
-"""A window's states, checked state by state, on its own and as the accumulator moves from window to window;
-its loss scale, told only while the window is empty and divided out at the boundary."""
+"""A window's states, checked state by state, and its loss scale.
+
+On its own and as the accumulator moves from window to window; the loss scale is told only while the window is
+empty and divided out at the boundary.
+"""
 
 from __future__ import annotations
 

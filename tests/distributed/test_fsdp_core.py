@@ -1,6 +1,7 @@
-"""The core under torch's own FSDP, on two CPU processes (gloo): FSDP2 (``fully_shard``, gradients as
-DTensors) and FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``, gradients as flat slices, ``None``
-where a rank holds none of a parameter).
+"""The core under torch's own FSDP on two CPU processes (gloo), against the big batch.
+
+FSDP2 (``fully_shard``, gradients as DTensors) and FSDP1 (``FullyShardedDataParallel(use_orig_params=True)``,
+gradients as flat slices, ``None`` where a rank holds none of a parameter).
 
 Each rank accumulates its micro-batches into its gradient shards; the boundary measures local shards and
 combines the norms with one all-reduce. Oracle: the parameters after training equal a plain PyTorch run

@@ -1,5 +1,6 @@
-"""The callback under Lightning's sharded strategies, 2 CPU processes: ``ModelParallelStrategy`` (FSDP2 via
-``fully_shard``) and ``FSDPStrategy`` (FSDP1).
+"""The callback under Lightning's sharded strategies on 2 CPU processes, against the big batch.
+
+``ModelParallelStrategy`` (FSDP2 via ``fully_shard``) and ``FSDPStrategy`` (FSDP1).
 
 ``model_parallel_run.py`` (next to this file) trains (the strategy re-runs that script for its second rank)
 and records which samples every micro-batch held; the oracle takes one plain-PyTorch step per window on
