@@ -1,4 +1,5 @@
 """Side-by-side measurements of lightning_gradacc against Lightning's built-in accumulation.
 
-Run ``python -m benchmarks`` (``--device cuda`` on a GPU, ``--quick`` for a smoke run). See README.md.
+Run ``python -m benchmarks`` (``--device cuda`` on a GPU, ``--quick`` for a smoke run).
+The tables are in docs/benchmarks.md.
 """

@@ -1,25 +1,33 @@
-"""Small models, data and plain-PyTorch big-batch references shared by the tests.
+"""Small models, data, plain-PyTorch big-batch references and the other helpers shared by the tests.
 
-Everything here is deterministic and importable by spawned DDP workers (``tests.helpers``).
+A helper that more than one test file uses lives here: test files do not import each other. Everything here is
+deterministic and importable by spawned DDP workers (``tests.helpers``).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
 import lightning.pytorch.strategies.launchers.multiprocessing as lit_launchers
+import pytest
 import pytorch_lightning as pl
 import pytorch_lightning.strategies.launchers.multiprocessing as pl_launchers
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+from lightning_gradacc import GradAccumulator
+from lightning_gradacc.callback import GradientAccumulationLogic
+
 # The package's own token counter, re-exported: every oracle uses it (no re-implementation here).
 from lightning_gradacc.counters import count_tokens as count_tokens
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 IGNORE_INDEX = -100
 
 
@@ -48,6 +56,19 @@ def trainer(namespace: str = "pytorch_lightning", **overrides: Any) -> pl.Traine
         options["strategy"] = SPAWN[namespace]()
     trainer_class: Any = PACKAGES[namespace].Trainer
     return trainer_class(**options)  # type: ignore[no-any-return]
+
+
+def fit(module: pl.LightningModule, *callbacks: pl.Callback, **kwargs: Any) -> pl.Trainer:
+    """``trainer(callbacks=[*callbacks], **kwargs).fit(module)``; returns the Trainer."""
+    trainer_ = trainer(callbacks=list(callbacks), **kwargs)
+    trainer_.fit(module)
+    return trainer_
+
+
+def cuda_only(test: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a CUDA check (``pytest -m cuda``, run by sessions that are lent a GPU): skipped without one."""
+    skipped = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test)
+    return pytest.mark.cuda(skipped)
 
 
 def accumulation_callback(namespace: str = "pytorch_lightning", *args: Any, **kwargs: Any) -> Any:
@@ -181,6 +202,19 @@ def ordered_loader(
         sampler = DistributedSampler(data, trainer.world_size, trainer.global_rank, shuffle=False)
         return loader_class(data, batch_size=batch_size, sampler=sampler)
     return loader_class(data, batch_size=batch_size, shuffle=False)
+
+
+class BatchList:
+    """A sized iterable without a ``batch_size`` (a plain list would be taken for a list of dataloaders)."""
+
+    def __init__(self, batches: Any) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
 
 
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
@@ -376,6 +410,169 @@ def series_steps(recorder: _Recorder, key: str) -> list[int]:
     return [step for step, _ in recorder.series(key)]
 
 
+# --------------------------------------------------------------------------------- the core's pieces
+
+INF = math.inf
+F32, F64, F16, BF16 = torch.float32, torch.float64, torch.float16, torch.bfloat16
+NORM_TYPES = [1.0, 2.0, 3.5, INF]
+SHAPES = [(3, 4), (7,), (2, 3, 5), (), (16,)]
+# tolerance of a value computed in a dtype, relative to the exact one (a few units in the last place)
+RTOL = {F32: 1e-6, F64: 1e-12}
+BATCH = 4  # rows per micro-batch of run_plain_loop
+
+
+def random_grads(dtypes: list[torch.dtype], seed: int, scale: float = 1.0) -> list[Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [SHAPES[i % len(SHAPES)] for i in range(len(dtypes))]
+    return [
+        (torch.randn(shape, generator=generator, dtype=F64) * scale).to(dtype)
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    ]
+
+
+def torch_clip_each(grads: list[Tensor], max_norm: float, norm_type: float = 2.0) -> list[Tensor]:
+    """``torch.nn.utils.clip_grad_norm_([g], max_norm)`` applied tensor by tensor."""
+    clipped = []
+    for grad in grads:
+        param = nn.Parameter(torch.zeros_like(grad))
+        param.grad = grad.clone()
+        torch.nn.utils.clip_grad_norm_([param], max_norm, norm_type)
+        clipped.append(param.grad)
+    return clipped
+
+
+def assert_same(actual: Tensor, expected: Tensor, rtol: float | None = None) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    rtol = RTOL.get(expected.dtype, 0.0) if rtol is None else rtol
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=0.0, equal_nan=True)
+
+
+def run_plain_loop(
+    accumulator_kwargs: dict, k: int, num_batches: int = 10, nan_at: tuple[int, ...] = ()
+) -> tuple[nn.Module, GradAccumulator]:
+    """GradAccumulator(``accumulator_kwargs``, K=``k``) in a plain loop over micro-batches of 4 of
+    :func:`regression_data` (SGD, lr 0.1), stepping at every window's end; the loss of the micro-batches in
+    ``nan_at`` is made nan."""
+    data = regression_data(num_batches * BATCH)
+    net = regression_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    accumulator = GradAccumulator(net.named_parameters(), k, **accumulator_kwargs)
+    x_all, y_all = data.tensors
+    for index in range(num_batches):
+        x, y = x_all[index * BATCH : (index + 1) * BATCH], y_all[index * BATCH : (index + 1) * BATCH]
+        loss = mse(net, x, y)
+        if index in nan_at:
+            loss = loss * math.nan
+        accumulator.backward(loss, items=len(x))
+        accumulator.step(optimizer, force=index == num_batches - 1)
+    return net, accumulator
+
+
+def linear_accumulator(**kwargs) -> tuple[nn.Linear, GradAccumulator]:
+    """``nn.Linear(3, 2)`` (seed 1) and a GradAccumulator of K=2 over its parameters."""
+    torch.manual_seed(1)
+    model = nn.Linear(3, 2)
+    return model, GradAccumulator(model.named_parameters(), 2, **kwargs)
+
+
+def linear_backward(model: nn.Module, accumulator: GradAccumulator, scale: float = 1.0) -> None:
+    """One micro-batch of 4 random rows through ``model`` (a ``nn.Linear``), its loss times ``scale``."""
+    x = torch.randn(4, model.in_features)
+    accumulator.backward(model(x).pow(2).mean() * scale, items=4)
+
+
+class TwoLayer(nn.Module):
+    """4 -> 5 -> 2 with a parameter that never gets a gradient (``unused``)."""
+
+    def __init__(self, dtype: torch.dtype = F32) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.first = nn.Linear(4, 5)  # initialized in float32: the same values for every dtype
+        self.second = nn.Linear(5, 2)
+        self.unused = nn.Parameter(torch.zeros(3))
+        self.to(dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def two_layer_batches(sizes: list[int], dtype: torch.dtype = F32) -> list[tuple[Tensor, Tensor]]:
+    """Random ``(x, y)`` micro-batches of the given sizes for :class:`TwoLayer` (4 inputs, 2 outputs)."""
+    generator = torch.Generator().manual_seed(sum(sizes))
+    return [
+        (torch.randn(n, 4, generator=generator).to(dtype), torch.randn(n, 2, generator=generator).to(dtype))
+        for n in sizes
+    ]
+
+
+# ------------------------------------------------------------------------- the noise scale's data
+
+NOISE_SAMPLES = 256
+
+
+def noise_data() -> TensorDataset:
+    """The noise-scale tests' data set: noisy linear targets of 5 features."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(NOISE_SAMPLES, 5, generator=generator)
+    y = x @ torch.randn(5, 1, generator=generator) + 0.5 * torch.randn(NOISE_SAMPLES, 1, generator=generator)
+    return TensorDataset(x, y)
+
+
+def noise_net() -> nn.Module:
+    """The noise-scale tests' model: ``nn.Linear(5, 1)``, seed 0."""
+    torch.manual_seed(0)
+    return nn.Linear(5, 1)
+
+
+def noise_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (net(x) - y).pow(2).mean()  # a mean over the micro-batch's items
+
+
+# -------------------------------------------------------------------------------------- preemption
+
+
+class Preempted(Exception):
+    pass
+
+
+class _SaveAndStop:
+    """Saves a checkpoint after global micro-batch ``at`` and interrupts training (a preemption).
+
+    The body of ``SaveAndStop`` (``pytorch_lightning``) and ``LitSaveAndStop`` (``lightning``).
+    """
+
+    def __init__(self, at: int, path: Path) -> None:
+        self.at, self.path, self.seen = at, path, 0
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if self.seen == self.at:
+            trainer.save_checkpoint(self.path)
+            raise Preempted
+        self.seen += 1
+
+
+class SaveAndStop(_SaveAndStop, pl.Callback):
+    pass
+
+
+class LitSaveAndStop(_SaveAndStop, L.Callback):
+    pass
+
+
+def preempt(
+    model: pl.LightningModule,
+    callbacks: list[pl.Callback],
+    at: int,
+    path: Path,
+    *,
+    max_epochs: int = 2,
+    **kwargs: Any,
+) -> None:
+    """Train until global micro-batch ``at``, checkpoint there, and stop as a preempted job would."""
+    with pytest.raises(Preempted):
+        trainer(callbacks=[*callbacks, SaveAndStop(at, path)], max_epochs=max_epochs, **kwargs).fit(model)
+
+
 # ------------------------------------------------------------------------------ DDP communication
 
 COMM = {"calls": 0, "bytes": 0}
@@ -487,3 +684,37 @@ class LitSpawnStrategy(_Spawn, L.strategies.DDPStrategy):
 
 
 SPAWN: dict[str, Any] = {"pytorch_lightning": SpawnStrategy, "lightning.pytorch": LitSpawnStrategy}
+
+
+# ------------------------------------------------------------------------------------ two processes
+
+
+def ddp_trainer(*callbacks: pl.Callback, strategy: object = "ddp_spawn", **kwargs: Any) -> pl.Trainer:
+    """A Trainer on two CPU processes that logs every step to a :class:`MetricsRecorder`."""
+    options: dict[str, Any] = {"logger": MetricsRecorder(), "log_every_n_steps": 1, **kwargs}
+    return trainer(
+        **options,
+        strategy=strategy,
+        devices=2,
+        callbacks=list(callbacks),
+        use_distributed_sampler=False,  # the modules shard in dataset order (see ordered_loader)
+    )
+
+
+# ------------------------------------------------------------------------------- configs and the CLI
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+QUICK = [  # command-line overrides that keep a config's run short
+    "--trainer.max_epochs=2",
+    "--trainer.limit_train_batches=6",
+    "--trainer.limit_val_batches=2",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+]
+
+
+def the_callback(cli: Any, cls: type = GradientAccumulationLogic) -> Any:
+    """The one accumulation callback of a ``LightningCLI``'s Trainer (an instance of ``cls``)."""
+    found = [c for c in cli.trainer.callbacks if isinstance(c, cls)]
+    assert len(found) == 1
+    return found[0]

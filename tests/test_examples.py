@@ -1,4 +1,7 @@
-"""The README's comparison table comes from examples/partial_window.py: keep its claims true."""
+"""The examples behind the README's tables keep their claims true.
+
+``examples/partial_window.py``'s comparison and ``examples/bf16_accumulation.py``'s rounding error.
+"""
 
 from __future__ import annotations
 
@@ -19,3 +22,16 @@ def test_partial_window_example_shows_builtin_error_and_fix(capsys: pytest.Captu
         builtin, fixed = (float(cell) for cell in row.strip("|").split("|")[1:])
         assert builtin > 1e-3
         assert fixed < 1e-6
+
+
+# The precision table in docs/guides.md comes from this example; the test holds its K=1024 row.
+relative_error = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "bf16_accumulation.py"))[
+    "relative_error"
+]
+
+
+def test_fp32_buffers_keep_bf16_accumulation_at_the_rounding_floor() -> None:
+    plain = relative_error(1024, None)
+    buffered = relative_error(1024, "float32")
+    assert buffered <= 0.005
+    assert buffered * 10 <= plain

@@ -280,16 +280,11 @@ class GradAccumulator:
             self._buffers.discard()
         # the noise scale hooks only the windows it measures
         self._noise.open_window(self._windows % self.settings.noise_scale_every == 0, self.parameters)
-        return Window(
-            buffered=self._buffers is not None,
-            loss_scale=self._scale.loss_scale,
-            device=self.device,
-            dtype=self._ledger_dtype,
-        )
+        return Window(buffered=self._buffers is not None, device=self.device, dtype=self._ledger_dtype)
 
     @property
     def window(self) -> Window:
-        """The open window: its state, micro-batches and loss scale (a new one opens after each close)."""
+        """The open window: its state and micro-batches (a new one opens after each close)."""
         return self._window
 
     @property
@@ -339,7 +334,6 @@ class GradAccumulator:
                 f" ({self._window.micro_batches} micro-batches recorded): its gradients carry the old one."
             )
         self._scale.loss_scale = value
-        self._window.loss_scale = value
 
     @property
     def window_full(self) -> bool:

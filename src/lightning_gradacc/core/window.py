@@ -1,4 +1,4 @@
-"""Window: one accumulation window's lifecycle, its counts and its loss scale.
+"""Window: one accumulation window's lifecycle and its counts.
 
 A window is the run of micro-batches between two optimizer steps. It moves through explicit states, and
 an action that does not fit the state raises instead of mixing two windows' gradients::
@@ -9,7 +9,9 @@ an action that does not fit the state raises instead of mixing two windows' grad
     any open state ──close──> CLOSED           (finalized or discarded; a new Window follows)
 
 The window owns what its micro-batches recorded (:class:`~lightning_gradacc.core.tally.WindowTally`),
-the micro-batches dropped or clipped on their own, and the loss scale its gradients carry.
+and the micro-batches dropped or clipped on their own. The loss scale its gradients carry is the
+accumulator's :class:`~lightning_gradacc.core.gradient_scale.GradientScale` (it changes only between
+windows).
 """
 
 from __future__ import annotations
@@ -42,14 +44,11 @@ class Window:
 
     Args:
         buffered: Whether micro-batch gradients move into accumulation buffers.
-        loss_scale: The factor every micro-batch's loss was multiplied by before backward besides its item
-            weight and the AMP scale: Lightning's ``1 / K`` (1 in a plain loop). The AMP scale is read from
-            the GradScaler when it is needed, not kept here.
         device: Device of the window's totals.
         dtype: Dtype of the window's totals.
 
     Example:
-        >>> window = Window(buffered=False, loss_scale=0.25, device=torch.device("cpu"), dtype=torch.float64)
+        >>> window = Window(buffered=False, device=torch.device("cpu"), dtype=torch.float64)
         >>> window.record_micro_batch(in_buffers=False)
         >>> window.state, window.micro_batches
         (<WindowState.IN_GRAD: 'accumulating in .grad'>, 1)
@@ -60,11 +59,8 @@ class Window:
         lightning_gradacc.core.window.WindowClosedError: This accumulation window is closed ...
     """
 
-    def __init__(
-        self, *, buffered: bool, loss_scale: Scalar = 1.0, device: torch.device, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, *, buffered: bool, device: torch.device, dtype: torch.dtype) -> None:
         self.buffered = buffered
-        self.loss_scale = loss_scale
         self.state = WindowState.EMPTY
         self.micro_batches = 0
         self.tally = WindowTally(device, dtype)

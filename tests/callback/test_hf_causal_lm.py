@@ -1,0 +1,168 @@
+"""A Hugging Face causal LM trained through Lightning equals one big batch per window.
+
+``GPT2LMHeadModel(labels=...)`` shifts the labels inside the model: position t predicts label t + 1, so
+the first label of every sequence is never a target and the loss is a mean over ``labels[:, 1:]``. The
+item count of ``scaling="weighted"`` must count those predicted tokens (``count_predicted_tokens``);
+``count_tokens`` counts one token too many per sequence and weights the micro-batches wrongly.
+
+The reference is plain PyTorch: per window, ``model(**big_batch).loss.backward()`` on the window's
+sequences concatenated (right-padded to the longest), then one SGD step.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from lightning_gradacc import GradientAccumulationCallback
+from lightning_gradacc.counters import IGNORE_INDEX, TokenCounter, count_predicted_tokens, count_tokens
+from tests import helpers as h
+
+VOCAB = 64
+BATCH = 2  # sequences per micro-batch
+NUM_SEQUENCES = 20  # 10 micro-batches: windows of 4, 4 and 2 (a partial window) per epoch
+K = 4
+EPOCHS = 2
+LR = 0.5
+# Measured max |parameter - reference|: 6.0e-8 (float32 rounding) counting the predicted tokens, 1.0e-2
+# with `count_tokens`, 7.4e-2 with Lightning's `accumulate_grad_batches=4`.
+TOLERANCE = 1e-6
+
+
+@functools.cache
+def _initial_model() -> GPT2LMHeadModel:
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        loss_type="ForCausalLM",
+    )
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    """A random 2-layer GPT-2 without dropout, the same weights on every call."""
+    return copy.deepcopy(_initial_model())
+
+
+def sequences() -> list[Tensor]:
+    """Token sequences of 2 to 12 tokens: micro-batches hold very different numbers of predicted tokens."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 13, (NUM_SEQUENCES,), generator=generator)
+    return [torch.randint(0, VOCAB, (int(n),), generator=generator) for n in lengths]
+
+
+def collate(batch: list[Tensor], ignore_index: int = IGNORE_INDEX) -> dict[str, Tensor]:
+    """Right-pad to the longest sequence; labels are the inputs (HF shifts them), ``ignore_index`` pads."""
+    length = max(len(ids) for ids in batch)
+    input_ids = torch.zeros(len(batch), length, dtype=torch.long)
+    attention_mask = torch.zeros(len(batch), length, dtype=torch.long)
+    labels = torch.full((len(batch), length), ignore_index, dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids[row, : len(ids)] = ids
+        attention_mask[row, : len(ids)] = 1
+        labels[row, : len(ids)] = ids
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def hf_loss(model: GPT2LMHeadModel, batch: dict[str, Tensor], ignore_index: int) -> Tensor:
+    # HF's loss takes `ignore_index` as a keyword; -100 is its default.
+    extra = {} if ignore_index == IGNORE_INDEX else {"ignore_index": ignore_index}
+    loss: Tensor = model(**batch, **extra).loss
+    return loss
+
+
+class CausalLMModule(pl.LightningModule):
+    def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
+        super().__init__()
+        self.model = tiny_gpt2()
+        self.ignore_index = ignore_index
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return hf_loss(self.model, batch, self.ignore_index)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=LR)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(
+            sequences(),  # type: ignore[arg-type]
+            batch_size=BATCH,
+            collate_fn=functools.partial(collate, ignore_index=self.ignore_index),
+        )
+
+
+@functools.cache
+def big_batch_reference(ignore_index: int = IGNORE_INDEX) -> GPT2LMHeadModel:
+    model = tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    data = sequences()
+    for window in h.windows(NUM_SEQUENCES // BATCH, K, epochs=EPOCHS):
+        rows = [data[b * BATCH + i] for b in window for i in range(BATCH)]
+        optimizer.zero_grad()
+        hf_loss(model, collate(rows, ignore_index), ignore_index).backward()
+        optimizer.step()
+    return model
+
+
+def fit(
+    item_count_fn: Callable[[Any], Any], ignore_index: int = IGNORE_INDEX
+) -> tuple[CausalLMModule, GradientAccumulationCallback]:
+    module = CausalLMModule(ignore_index)
+    callback = GradientAccumulationCallback(K, scaling="weighted", item_count_fn=item_count_fn)
+    h.trainer(callbacks=[callback], max_epochs=EPOCHS).fit(module)
+    return module, callback
+
+
+def test_hf_loss_is_the_mean_over_the_predicted_tokens() -> None:
+    """The convention itself: HF's loss times `count_predicted_tokens` is the sum over labels[:, 1:]."""
+    model = tiny_gpt2()
+    batch = collate(sequences()[:BATCH])
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    summed = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1), reduction="sum"
+    )
+    loss = model(**batch).loss
+    torch.testing.assert_close(loss * count_predicted_tokens(batch), summed)
+    assert count_tokens(batch) - count_predicted_tokens(batch) == BATCH  # one first label per sequence
+
+
+@pytest.mark.parametrize(
+    "counter", [count_predicted_tokens, TokenCounter(shift=True)], ids=["count_predicted_tokens", "shift"]
+)
+def test_counting_predicted_tokens_equals_the_big_batch(counter: Callable[[Any], Any]) -> None:
+    module, callback = fit(counter)
+    assert h.max_abs_diff(module.model, big_batch_reference()) <= TOLERANCE
+    assert callback.stats.windows == 3 * EPOCHS
+    data = sequences()
+    last_window = data[8 * BATCH :]  # micro-batches 8 and 9
+    assert callback.stats.items_last_step == sum(len(ids) - 1 for ids in last_window)
+
+
+def test_count_tokens_is_off_for_a_model_that_shifts_its_labels() -> None:
+    """Why the shifted counter exists: counting every label weights the micro-batches wrongly."""
+    module, _ = fit(count_tokens)
+    assert h.max_abs_diff(module.model, big_batch_reference()) > 1e-3
+
+
+def test_custom_ignore_index_with_shift() -> None:
+    ignore_index = -1
+    module, _ = fit(TokenCounter(ignore_index=ignore_index, shift=True), ignore_index)
+    assert h.max_abs_diff(module.model, big_batch_reference(ignore_index)) <= TOLERANCE

@@ -1,0 +1,93 @@
+"""No host sync on the micro-batches that accumulate through ``Trainer.fit``; one per optimizer step.
+
+On CPU the calls that force one are counted by patching them (``tests/syncs.py``); on a GPU, CUDA's sync debug
+mode makes any of them an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lightning_gradacc import GradientAccumulationCallback
+from tests import helpers as h
+from tests.helpers import cuda_only
+from tests.syncs import SyncCounter
+
+
+class CountingCallback(GradientAccumulationCallback):
+    """Counts sync-forcing tensor calls made inside the callback's hooks."""
+
+    def __init__(self, counter: SyncCounter, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counter = counter
+        self.per_batch: list[tuple[bool, int]] = []  # (stepped, syncs) per micro-batch
+        self._calls_at_start = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._calls_at_start = len(self.counter.calls)
+        with self.counter.counting():
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        with self.counter.counting():
+            super().on_before_backward(trainer, pl_module, loss)
+
+    def on_after_backward(self, trainer, pl_module):
+        with self.counter.counting():
+            super().on_after_backward(trainer, pl_module)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        with self.counter.counting():
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with self.counter.counting():
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.per_batch.append((self._batch.finalized, len(self.counter.calls) - self._calls_at_start))
+
+
+@pytest.mark.parametrize("scaling", ["mean", "weighted"])
+def test_no_host_sync_on_accumulating_micro_batches(scaling: str) -> None:
+    counter = SyncCounter()
+    kwargs = {"item_count_fn": h.count_tokens} if scaling == "weighted" else {}
+    callback = CountingCallback(counter, 4, scaling=scaling, max_grad_norm=1.0, **kwargs)
+    with counter.patched():
+        h.trainer(callbacks=[callback], logger=h.MetricsRecorder(), log_every_n_steps=1).fit(
+            h.TokenModule(h.token_data())
+        )
+    accumulating = [syncs for stepped, syncs in callback.per_batch if not stepped]
+    stepping = [syncs for stepped, syncs in callback.per_batch if stepped]
+    assert len(accumulating) == 9 and set(accumulating) == {0}
+    assert len(stepping) == 3 and set(stepping) == {1}  # the skip decision; logging reuses it
+
+
+def guard_hooks_against_syncs(callback: GradientAccumulationCallback) -> None:
+    """Make every host sync inside the callback's per-micro-batch hooks an error (CUDA's sync debug mode)."""
+    for hook in ("on_train_batch_start", "on_before_backward", "on_after_backward"):
+        original = getattr(callback, hook)
+
+        def guarded(trainer: pl.Trainer, *args: Any, __original: Any = original) -> Any:
+            accumulating = trainer.fit_loop._should_accumulate()
+            torch.cuda.set_sync_debug_mode("error" if accumulating else "default")
+            try:
+                return __original(trainer, *args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        setattr(callback, hook, guarded)
+
+
+@cuda_only
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"scaling": "weighted", "item_count_fn": h.count_tokens}, {"accumulation_dtype": "float64"}],
+)
+def test_no_host_sync_while_accumulating_on_cuda(kwargs: dict[str, Any]) -> None:
+    callback = GradientAccumulationCallback(4, **kwargs)
+    guard_hooks_against_syncs(callback)
+    h.trainer(accelerator="cuda", callbacks=[callback]).fit(h.TokenModule(h.token_data()))
+    assert callback.stats.windows == 3

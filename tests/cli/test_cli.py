@@ -1,0 +1,206 @@
+"""The YAML configs and the ``lightning-gradacc`` command."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_gradacc import GradientAccumulationCallback
+from lightning_gradacc.cli import build_cli
+from lightning_gradacc.counters import TokenCounter, count_predicted_tokens, count_tokens
+from tests.helpers import CONFIGS, QUICK, ROOT, the_callback
+
+SINGLE_PROCESS = [path for path in CONFIGS if path.stem != "ddp_cpu"]
+
+
+def test_all_five_configs_exist() -> None:
+    assert {p.stem for p in CONFIGS} == {"quickstart", "token_lm", "schedule", "target_batch", "ddp_cpu"}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_config_parses_and_instantiates(config: Path, tmp_path: Path) -> None:
+    cli = build_cli(["--config", str(config), f"--trainer.default_root_dir={tmp_path}"], run=False)
+    callback = the_callback(cli, GradientAccumulationCallback)
+    raw = yaml.safe_load(config.read_text())["trainer"]["callbacks"][0]["init_args"]
+    if "accumulation_steps" in raw:
+        expected = raw["accumulation_steps"]
+        assert (callback.plan.schedule or callback.plan.fixed) == expected
+    else:
+        assert callback.plan.target_batch_size == raw["target_batch_size"]
+    assert callback.settings.max_grad_norm == raw.get("max_grad_norm")
+
+
+def test_token_lm_config_resolves_the_counter_import_path(tmp_path: Path) -> None:
+    cli = build_cli(["--config", str(ROOT / "configs/token_lm.yaml")], run=False)
+    callback = the_callback(cli, GradientAccumulationCallback)
+    assert callback.settings.scaling == "weighted"
+    assert callback.item_count_fn is count_tokens
+
+
+def test_every_callback_argument_is_settable_from_yaml(tmp_path: Path) -> None:
+    config = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
+    config["trainer"]["callbacks"][0]["init_args"] = {
+        "accumulation_steps": {0: 2, 3: 8},
+        "scaling": "dynamic",
+        "item_count_fn": "lightning_gradacc.counters.count_samples",
+        "max_grad_norm": 0.5,
+        "norm_type": math.inf,  # written as .inf, YAML's infinity
+        "clip_value": 0.1,
+        "overflow": "raise",
+        "log_stats": False,
+        "accumulation_dtype": "float32",
+        "clip_mode": "micro_batch",
+    }
+    path = tmp_path / "all.yaml"
+    path.write_text(yaml.safe_dump(config))
+    callback = the_callback(build_cli(["--config", str(path)], run=False), GradientAccumulationCallback)
+    assert callback.plan.schedule == {0: 2, 3: 8}
+    assert callback.settings.scaling == "weighted"
+    assert callback.item_count_fn.__name__ == "count_samples"
+    assert (callback.settings.max_grad_norm, callback.settings.norm_type, callback.settings.clip_value) == (
+        0.5,
+        math.inf,
+        0.1,
+    )
+    assert (callback.settings.overflow, callback.log_stats) == ("raise", False)
+    assert (callback.settings.accumulation_dtype, callback.settings.clip_mode) == (
+        torch.float32,
+        "micro_batch",
+    )
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "--trainer.callbacks.init_args.accumulation_steps=8",
+        "--trainer.callbacks.init_args.accumulation_steps 8",
+    ],
+)
+def test_callback_arguments_can_be_overridden_on_the_command_line(override: str) -> None:
+    args = ["--config", str(ROOT / "configs/quickstart.yaml"), *override.split(" ")]
+    callback = the_callback(build_cli(args, run=False), GradientAccumulationCallback)
+    assert callback.plan.fixed == 8
+    assert callback.settings.max_grad_norm == 1.0  # the rest of the config is kept
+
+
+def test_invalid_yaml_value_is_reported_with_the_argument_name(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--config", str(ROOT / "configs/quickstart.yaml"), "--trainer.callbacks.init_args.scaling=median"]
+    with pytest.raises(SystemExit):
+        build_cli(args, run=False)
+    error = capsys.readouterr().err
+    assert "scaling" in error and "median" in error
+
+
+@pytest.mark.parametrize("config", SINGLE_PROCESS, ids=lambda p: p.stem)
+def test_config_runs_end_to_end(config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["fit", "--config", str(config), *QUICK, f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    cli = build_cli(args)
+    callback = the_callback(cli, GradientAccumulationCallback)
+    assert callback.stats.windows == cli.trainer.global_step > 0
+    out = capsys.readouterr().out
+    assert "Gradient accumulation summary" in out
+    stats = callback.stats
+    assert f"optimizer steps taken{' ' * 8}{stats.steps_taken} of {stats.windows} windows\n" in out
+    assert str(tmp_path) in out
+    assert list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_ddp_config_runs_on_two_cpu_processes_with_the_console_script(tmp_path: Path) -> None:
+    command = Path(sys.executable).parent / "lightning-gradacc"
+    args = [str(command), "fit", "--config", str(ROOT / "configs/ddp_cpu.yaml"), *QUICK]
+    args.append(f"--trainer.logger.init_args.save_dir={tmp_path}")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("Gradient accumulation summary") == 1  # printed by rank 0 only
+    # 6 micro-batches per rank and epoch, K=2: 3 steps per epoch; 32 x 2 x 2 ranks per step
+    assert "optimizer steps taken        6 of 6 windows" in result.stdout
+    assert "effective batch (items)      128 in the last full step (K micro-batches)\n" in result.stdout
+
+
+LOCAL_MODULE = """
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class MyLitModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(16, 2), torch.randn(16, 1)), batch_size=2)
+"""
+
+
+def test_the_console_script_imports_a_module_of_the_working_directory(tmp_path: Path) -> None:
+    """The README's `lightning-gradacc fit --model my_module.MyLitModule` with
+    `my_module.py` where the command runs, as `python -m` would import it (no `PYTHONPATH`)."""
+    (tmp_path / "my_module.py").write_text(LOCAL_MODULE)
+    command = Path(sys.executable).parent / "lightning-gradacc"
+    args = [
+        str(command),
+        "fit",
+        "--model",
+        "my_module.MyLitModule",
+        "--trainer.accelerator=cpu",
+        "--trainer.max_steps=2",
+        "--trainer.accumulate_grad_batches=2",
+        "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+    ]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env["PYTHONWARNINGS"] = "ignore"
+    result = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "optimizer steps taken        2 of 2 windows" in result.stdout
+
+
+def test_python_dash_m_entry_point() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_gradacc", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0
+    assert all(sub in result.stdout for sub in ("fit", "validate", "test", "predict"))
+
+
+def test_counters_are_import_paths_in_yaml(tmp_path: Path) -> None:
+    """Both forms the docs show (docs/guides.md): an import path, and a ``class_path`` with ``init_args``."""
+    from lightning_gradacc.cli import build_cli
+
+    config = yaml.safe_load((ROOT / "configs/token_lm.yaml").read_text())
+    init_args = config["trainer"]["callbacks"][0]["init_args"]
+    labels = torch.tensor([[5, 6, -1, -1], [7, 8, 9, -100]])  # shifted: [[6, -1, -1], [8, 9, -100]]
+    token_counter = (
+        "{class_path: lightning_gradacc.counters.TokenCounter, init_args: {ignore_index: -1, shift: true}}"
+    )
+    for item_count_fn, expected_count in [
+        ("lightning_gradacc.counters.count_predicted_tokens", 5),  # -1 counts, -100 does not
+        (token_counter, 4),  # -100 counts, -1 does not
+    ]:
+        init_args["item_count_fn"] = yaml.safe_load(item_count_fn) if "{" in item_count_fn else item_count_fn
+        path = tmp_path / "counter.yaml"
+        path.write_text(yaml.safe_dump(config))
+        cli = build_cli(["--config", str(path)], run=False)
+        (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, GradientAccumulationCallback)]
+        counter = callback.item_count_fn
+        assert isinstance(counter, TokenCounter) == ("TokenCounter" in item_count_fn)
+        assert counter is count_predicted_tokens or (counter.ignore_index, counter.shift) == (-1, True)
+        assert int(counter({"labels": labels})) == expected_count

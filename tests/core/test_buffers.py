@@ -1,0 +1,85 @@
+"""Accumulation buffers wider than the parameters: their size, refusals, warnings and mean over ranks.
+
+Also bf16 parameters with fp32 buffers on CUDA (skipped without a GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gradacc import GradAccumulator, GradientAccumulationCallback
+from tests import helpers as h
+from tests.helpers import cuda_only
+
+
+def test_reduce_gradients_averages_the_buffers_over_the_ranks_at_the_window_end() -> None:
+    """A second rank whose window sums to zero, simulated by an all-reduce that adds nothing: the window's
+    mean over the two ranks is half this rank's, and a parameter no rank has a gradient for stays without
+    one."""
+    nets = [nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    nets[0][0].requires_grad_(False)
+    nets[1][0].requires_grad_(False)
+    alone = GradAccumulator(nets[0].parameters(), 2, accumulation_dtype="float64")
+    reduced = GradAccumulator(
+        nets[1].parameters(),
+        2,
+        accumulation_dtype="float64",
+        world_size=2,
+        all_reduce=lambda tensor: tensor,
+        reduce_gradients=True,
+    )
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    for net, accumulator in zip(nets, (alone, reduced), strict=True):
+        for rows in (x[:2], x[2:]):
+            accumulator.backward(net(rows).pow(2).mean(), items=len(rows))
+        assert accumulator.finalize()
+    for mine, theirs in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
+        assert (mine.grad is None) == (theirs.grad is None)
+        if mine.grad is not None:
+            assert torch.equal(mine.grad / 2, theirs.grad)
+    assert nets[1][0].weight.grad is None
+    with pytest.raises(ValueError, match=r"`reduce_gradients=True` .* needs `accumulation_dtype`"):
+        GradAccumulator(nets[0].parameters(), 2, world_size=2, all_reduce=lambda t: t, reduce_gradients=True)
+
+
+def test_buffer_bytes_are_the_exact_size_of_the_buffers() -> None:
+    net = nn.Linear(10, 3).to(torch.bfloat16)
+    accumulator = GradAccumulator(net.parameters(), 2, accumulation_dtype="float32")
+    assert accumulator.stats.buffer_bytes == 0  # allocated lazily, at the first micro-batch
+    accumulator.backward(net(torch.randn(4, 10, dtype=torch.bfloat16)).float().pow(2).mean())
+    assert accumulator.stats.buffer_bytes == 4 * (10 * 3 + 3)
+    assert all(p.grad is None for p in net.parameters())  # .grad is released after every micro-batch
+    accumulator.backward(net(torch.randn(4, 10, dtype=torch.bfloat16)).float().pow(2).mean())
+    assert accumulator.finalize()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in net.parameters())
+
+
+def test_buffers_on_float32_parameters_warn_that_they_change_nothing() -> None:
+    with pytest.warns(UserWarning, match="changes nothing: the parameters are already torch.float32"):
+        GradAccumulator(nn.Linear(2, 1).parameters(), accumulation_dtype="float32")
+
+
+def test_buffer_dtype_narrower_than_a_parameter_is_refused_before_training() -> None:
+    match = r"`accumulation_dtype=torch.float16` is narrower than parameter `0.weight` \(torch.float32\)"
+    with pytest.raises(ValueError, match=match):
+        GradAccumulator(h.regression_net().named_parameters(), accumulation_dtype="float16")
+    module = h.RegressionModule(h.regression_data(8))
+    with pytest.raises(ValueError, match=match.replace("`0.weight`", "`net.0.weight`")):
+        h.trainer(callbacks=[GradientAccumulationCallback(2, accumulation_dtype="float16")]).fit(module)
+    assert module.micro_batches_seen == 0
+
+
+@cuda_only
+def test_bf16_buffers_on_cuda() -> None:
+    net = torch.nn.Linear(64, 8).cuda().to(torch.bfloat16)
+    accumulator = GradAccumulator(net.parameters(), 256, accumulation_dtype="float32")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(256):
+        x = torch.randn(2, 64, device="cuda", generator=generator, dtype=torch.bfloat16)
+        accumulator.backward(net(x).float().pow(2).mean(), items=2)
+    assert accumulator.finalize()
+    assert accumulator.stats.buffer_bytes == 4 * (64 * 8 + 8)
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in net.parameters())

@@ -1,0 +1,22 @@
+"""One tiny run of ``python -m benchmarks --quick``: the benchmark code keeps working (no timing checked)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+
+def test_benchmarks_run_tiny_and_write_a_report(tmp_path: Path) -> None:
+    out = tmp_path / "report.md"
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = out.read_text()
+    for heading in ("Time per micro-batch", "boundary pass", "Memory", "Host syncs", "Operators launched"):
+        assert heading in report
+    assert "nan" not in report.lower()
+    sync_rows = [line for line in report.splitlines() if line.startswith("| callback")][-3:]
+    assert all(line.split("|")[2].strip() == "0" for line in sync_rows)  # no sync while accumulating
