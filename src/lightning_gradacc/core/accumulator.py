@@ -15,7 +15,6 @@ Host syncs: none while accumulating; at the boundary one when a decision needs i
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -47,7 +46,7 @@ from .window import Window
 from .world import AllReduce, World
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Sums:
     """The window's summed gradients: per tracked parameter (``None``: none), and grouped for kernels."""
 
@@ -56,7 +55,7 @@ class _Sums:
     shard_groups: list[Any] | None  # in group order, the process group of each sharded tensor
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _MicroBatch:
     """A micro-batch between :meth:`GradAccumulator.begin_micro_batch` and ``end_micro_batch``."""
 
@@ -634,7 +633,7 @@ class GradAccumulator:
             )
         if measured.noise is not None and settings.norm_type != 2.0:  # the noise scale needs the L2 norm
             l2 = combine_norms(tracked.tensor_norms(grads, 2.0, groups), 2.0, device=self.device)
-            measured = dataclasses.replace(measured, l2_norm=l2)
+            measured.l2_norm = l2
         if not self._decides_on_host:
             per_tensor = settings.clip_scope == "parameter" and settings.max_grad_norm is not None
             norms = Norms.on_device(
@@ -642,11 +641,10 @@ class GradAccumulator:
             )
             return measured, norms
         # Each tensor's norm goes to the host, where they are combined: no kernel for the total.
-        measured = dataclasses.replace(
-            measured,
-            tensor_norms=_stacked(each, self.device),
-            tensor_largest=_stacked(each_largest, self.device) if each_largest is not None else None,
-        ).to_host(self._ledger.sync)
+        measured.tensor_norms = _stacked(each, self.device)
+        if each_largest is not None:
+            measured.tensor_largest = _stacked(each_largest, self.device)
+        measured.to_host(self._ledger.sync)
         wide = torch.float64 if any(dtype == torch.float64 for _, dtype in grads) else torch.float32
         norms = Norms.on_host(
             measured.tensor_norms,  # type: ignore[arg-type]

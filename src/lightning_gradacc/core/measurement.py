@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch import Tensor
@@ -20,9 +20,9 @@ from .scalars import Scalar
 Vector = Tensor | list[float]  # a device vector, or its values on the host
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Measurement:
-    """One window's measurements, over every rank.
+    """One window's measurements, over every rank (filled in as the boundary measures).
 
     Attributes:
         items: Items of the window's micro-batches.
@@ -59,15 +59,20 @@ class Measurement:
     l2_norm: Scalar | None = None
 
     def to_host(self, sync: Callable[..., list[Any]]) -> Measurement:
-        """Every device value copied by ``sync`` (one host copy of them all, e.g. ``Ledger.sync``)."""
-        on_device = {
-            field.name: value
-            for field in fields(self)
-            if isinstance(value := getattr(self, field.name), Tensor)
-        }
-        if not on_device:
-            return self
-        return replace(self, **dict(zip(on_device, sync(*on_device.values()), strict=True)))
+        """Replace every device value by its copy from ``sync``, in place, and return ``self``.
+
+        ``sync`` copies all of them at once (e.g. ``Ledger.sync``, in which the pending statistics come
+        along): one host sync for the whole step.
+        """
+        on_device = [name for name in _NAMES if isinstance(getattr(self, name), Tensor)]
+        if on_device:
+            copied = sync(*(getattr(self, name) for name in on_device))
+            for name, value in zip(on_device, copied, strict=True):
+                setattr(self, name, value)
+        return self
+
+
+_NAMES = tuple(field.name for field in fields(Measurement))
 
 
 def mean_loss(loss_sum: Scalar, loss_weight: Scalar, gradient_scale: Scalar) -> Scalar:
