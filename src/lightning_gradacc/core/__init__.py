@@ -11,7 +11,8 @@ module imports back the one that wires them together:
 - the boundary: ``measurement`` (what is measured, and its one host copy), ``boundary`` (the stateless
   math: normalization, decision, application), ``kernels`` (foreach kernels), ``scalars`` (host or device
   values), ``world`` (the data-parallel ranks);
-- reporting: ``ledger`` (statistics folded over windows), ``stats`` (their snapshot), ``noise`` (the
+- reporting: ``accounts`` (the run's counters and statistics, saved as numbers), ``ledger`` (statistics
+  folded over windows), ``stats`` (their snapshot), ``noise`` (the
   gradient noise scale), ``memory`` (the process's peak);
 - ``checkpoint`` (the saved forms), ``validation`` (the settings checked), ``errors``;
 - ``accumulator``: :class:`GradAccumulator`, which wires them together.

@@ -24,15 +24,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .accounts import RunAccounts
 from .boundary import Decision, Norms, apply_, decide, normalization
 from .buffers import GradBuffers
-from .checkpoint import FORMAT_VERSION, check_open_window, restore_open_window, save_open_window
+from .checkpoint import check_open_window, restore_open_window, save_open_window
 from .errors import GradientOverflowError
 from .gradient_scale import GradientScale
 from .kernels import GroupKey, combine_norms, non_finite_names
-from .ledger import COUNTERS, Ledger
 from .measurement import Measurement, mean_loss
-from .memory import PeakMemory
 from .micro_batch import MicroBatchIntake
 from .noise import NoiseScale, NoNoiseScale
 from .parameters import NamedParameters, TrackedParameters
@@ -229,7 +228,7 @@ class GradAccumulator:
                 f" but got accumulation_dtype={dtype} with {'sharded' if tracked.sharded else 'plain'}"
                 " parameters."
             )
-        self._ledger = Ledger(self._ledger_dtype)
+        self._accounts = RunAccounts(self.device, self._ledger_dtype)
         self._noise: NoiseScale | NoNoiseScale = NoNoiseScale()
         if settings.noise_scale:
             if tracked.sharded:
@@ -243,15 +242,9 @@ class GradAccumulator:
                 self._ledger_dtype,
                 weighted=settings.scaling == "weighted",
             )
-        self._memory = PeakMemory(self.device)  # read when the statistics are read; never reset
         self._weighting = ItemWeighting(
             settings.scaling == "weighted", self._world, device=self.device, dtype=self._ledger_dtype
         )
-        # Counters that never depend on tensor values live on the host.
-        self._windows = 0
-        self._total_micro_batches = 0
-        self._micro_batches_last_step = 0
-        self._peak_memory_bytes = 0
         self._pending: _MicroBatch | None = None
         self._window = self._new_window()
 
@@ -278,7 +271,8 @@ class GradAccumulator:
         if self._buffers is not None:
             self._buffers.discard()
         # the noise scale hooks only the windows it measures
-        self._noise.open_window(self._windows % self.settings.noise_scale_every == 0, self.parameters)
+        measured = self._accounts.windows % self.settings.noise_scale_every == 0
+        self._noise.open_window(measured, self.parameters)
         return Window(buffered=self._buffers is not None, device=self.device, dtype=self._ledger_dtype)
 
     @property
@@ -524,8 +518,7 @@ class GradAccumulator:
             count.items, count.weight, self._scale.value, reevaluation=reevaluation
         )
         window.record_micro_batch(in_buffers=to_buffers)
-        if not reevaluation:
-            self._total_micro_batches += 1
+        self._accounts.micro_batch_recorded(reevaluation=reevaluation)
 
     def flush_to_grad(self) -> None:
         """Write the buffered window into ``.grad`` so that the next backward adds to it.
@@ -644,7 +637,7 @@ class GradAccumulator:
         measured.tensor_norms = _stacked(each, self.device)
         if each_largest is not None:
             measured.tensor_largest = _stacked(each_largest, self.device)
-        measured.to_host(self._ledger.sync)
+        measured.to_host(self._accounts.ledger.sync)
         wide = torch.float64 if any(dtype == torch.float64 for _, dtype in grads) else torch.float32
         norms = Norms.on_host(
             measured.tensor_norms,  # type: ignore[arg-type]
@@ -733,7 +726,7 @@ class GradAccumulator:
             def window_loss() -> Scalar:
                 return mean_loss(*window.tally.loss_totals(), gradient_scale)
 
-        self._ledger.fold(
+        self._accounts.close_window(
             {
                 "non_finite_windows": negate(decision.finite),
                 "dropped_micro_batches": measured.dropped,
@@ -746,11 +739,9 @@ class GradAccumulator:
                 "window_loss": window_loss,
                 **self._noise_statistics(window, measured, decision, factor),
             },
-            count=not reevaluation,
+            micro_batches=window.micro_batches,
+            reevaluation=reevaluation,
         )
-        self._micro_batches_last_step = window.micro_batches
-        if not reevaluation:
-            self._windows += 1
         world_size, _ = self._world.resolve()
         self._weighting.rebase(measured.items, window.micro_batches * world_size)
         return self._keeps_step(window, live, has_items, measured.bad_items, sums, reevaluation)
@@ -780,13 +771,13 @@ class GradAccumulator:
         """Whether the optimizer steps (a host answer); raises for invalid counts or ``overflow="raise"``."""
         flags = (live if self._decides_on_host else True, has_items, bad_items)
         if any(isinstance(flag, Tensor) for flag in flags):  # counts summed over ranks, overflow ignored
-            keeps_step, has_any, bad = self._ledger.sync(*(self._scalar(flag) for flag in flags))
+            keeps_step, has_any, bad = self._accounts.ledger.sync(*(self._scalar(flag) for flag in flags))
         else:
             keeps_step, has_any, bad = (float(flag) for flag in flags)
         if bad:
             raise ValueError(self._invalid_count_message(window, int(bad)))
         if has_any and not keeps_step and self.settings.overflow == "raise" and self._scale.scaler is None:
-            step = self._windows - (0 if reevaluation else 1)
+            step = self._accounts.windows - (0 if reevaluation else 1)
             named = [(n, t) for n, t in zip(self._tracked.names, sums.sources, strict=True) if t is not None]
             raise GradientOverflowError(step, non_finite_names(named))
         return bool(keeps_step and has_any)
@@ -798,13 +789,7 @@ class GradAccumulator:
     def _close_empty(self, reevaluation: bool) -> bool:
         """Close a window in which no micro-batch was recorded: no step (counted in ``empty_windows``)."""
         self._tracked.set_grads_to_none()  # e.g. stale gradients of an earlier window: nothing to step with
-        self._ledger.fold(
-            {"empty_windows": 1.0, "last_grad_norm": 0.0, "items_last_step": 0.0, "window_loss": math.nan},
-            count=not reevaluation,
-        )
-        self._micro_batches_last_step = 0
-        if not reevaluation:
-            self._windows += 1
+        self._accounts.close_empty_window(reevaluation=reevaluation)
         self._window.close()
         self._window = self._new_window()
         return False
@@ -860,62 +845,33 @@ class GradAccumulator:
     @property
     def stats(self) -> AccumulationStats:
         """A frozen snapshot of the statistics (syncs once if a window closed since the last read)."""
-        ledger = self._ledger.values(deferred=False)
-        ledger.pop("window_loss")  # not a field of the snapshot: see `window_loss`
-        self._peak_memory_bytes = self._memory.read()  # the process's peak so far (a file read)
-        return AccumulationStats(
+        return self._accounts.snapshot(
             accumulation_steps=self._accumulation_steps,
             open_window_micro_batches=self._window.micro_batches,
-            windows=self._windows,
-            total_micro_batches=self._total_micro_batches,
-            micro_batches_last_step=self._micro_batches_last_step,
             num_parameters=self._tracked.num_parameters(),
             buffer_bytes=self._buffers.nbytes if self._buffers is not None else 0,
-            peak_memory_bytes=self._peak_memory_bytes,
-            **{name: int(value) if name in COUNTERS else value for name, value in ledger.items()},  # type: ignore[arg-type]
         )
 
     @property
     def window_loss(self) -> float:
         """Item-weighted mean loss of the last window, over ranks (``nan`` if no loss was recorded)."""
-        return self._ledger.values()["window_loss"]
+        return self._accounts.window_loss
 
     def state_dict(self) -> dict[str, Any]:
         """Counters as plain numbers (loadable with ``torch.load(weights_only=True)``)."""
         return {
-            "version": FORMAT_VERSION,
+            **self._accounts.state_dict(),
             "accumulation_steps": self._accumulation_steps,
-            "windows": self._windows,
-            "total_micro_batches": self._total_micro_batches,
-            "micro_batches_last_step": self._micro_batches_last_step,
-            "peak_memory_bytes": self._peak_memory_bytes,
-            **self._ledger.state_dict(),
             **({"noise": self._noise.state_dict()} if isinstance(self._noise, NoiseScale) else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore counters saved by :meth:`state_dict`; nothing changes if they do not fit."""
-        version = state.get("version")
-        if version != FORMAT_VERSION:
-            raise ValueError(
-                f"Cannot load accumulator state of version {version!r}; this version reads {FORMAT_VERSION}."
-            )
-        missing = [key for key in ("windows", "total_micro_batches", "skipped_steps") if key not in state]
-        if missing:
-            raise ValueError(f"Accumulator state is missing {missing}.")
-        counters = (  # every value converted before anything is assigned
-            int(state["windows"]),
-            int(state["total_micro_batches"]),
-            int(state.get("micro_batches_last_step", 0)),
-            int(state.get("peak_memory_bytes", 0)),
-        )
+        self._accounts.check_state(state)
         noise = state.get("noise")
         if isinstance(self._noise, NoiseScale) and noise is not None:
             self._noise.load_state_dict(noise)  # the averages go on where the saved run left them
-        self._ledger.load_state_dict(state)  # all or nothing itself
-        self._windows, self._total_micro_batches, self._micro_batches_last_step, self._peak_memory_bytes = (
-            counters
-        )
+        self._accounts.load_state_dict(state)
 
     # ---------------------------------------------------------------------------------- open window
 
