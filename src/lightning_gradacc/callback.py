@@ -43,6 +43,7 @@ from .schedule import AccumulationPlan
 from .sharded_sync import check_reduction
 from .stats import AccumulationStats
 from .summary import format_summary
+from .window_driver import ScheduleDriver
 
 # Type-checked against pytorch_lightning's Callback (both namespaces have the same hooks); a plain mixin at
 # run time, so that each namespace's callback class can put its own Callback beside it.
@@ -157,7 +158,7 @@ class GradientAccumulationLogic(_LogicBase):
 
     def __init__(
         self,
-        accumulation_steps: int | dict[int, int] | None = None,
+        accumulation_steps: int | dict[int | str, int] | None = None,
         *,
         target_batch_size: int | None = None,
         scaling: Literal["mean", "sum", "weighted", "average", "dynamic"] = "mean",
@@ -176,8 +177,9 @@ class GradientAccumulationLogic(_LogicBase):
         noise_scale: bool = False,
         noise_scale_decay: float = 0.95,
         noise_scale_every: int = 1,
+        schedule_unit: Literal["epochs", "steps", "items"] = "epochs",
     ) -> None:
-        self._k = KOwner(AccumulationPlan(accumulation_steps, target_batch_size))
+        self._k = KOwner(AccumulationPlan(accumulation_steps, target_batch_size, schedule_unit))
         self.sharded_reduction = check_reduction(sharded_reduction)
         self.settings = AccumulationSettings.checked(
             scaling=scaling,
@@ -205,6 +207,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._signature: tuple[tuple[int, int], ...] = ()  # of the parameter groups the accumulator tracks
         self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
         self._batch = _Batch()
+        self._driver: ScheduleDriver | None = None  # the windows of a schedule of steps or items, per fit
         self._paused_clipping: internals.PausedClipping | None = None  # Lightning's, until the batch ends
         self._skips = SkipWarnings()
         self._warned_no_items = False
@@ -235,6 +238,19 @@ class GradientAccumulationLogic(_LogicBase):
         return format_summary(self.stats, loss, self._log_dir)
 
     @property
+    def items_consumed(self) -> float | None:
+        """Items of the windows closed so far, over all ranks, in a schedule keyed by steps or items.
+
+        Tokens with a token counter; ``None`` without such a schedule (before training: the first fit's
+        ``setup`` starts counting). An LR schedule can be indexed by it.
+
+        Example:
+            >>> print(GradientAccumulationCallback({0: 1, "1k": 2}, schedule_unit="items").items_consumed)
+            None
+        """
+        return self._driver.items if self._driver is not None else None
+
+    @property
     def accumulator(self) -> GradAccumulator | None:
         """The core accumulator of the current run (``None`` before training starts)."""
         return self._accumulator
@@ -244,7 +260,7 @@ class GradientAccumulationLogic(_LogicBase):
 
         See the module-level :func:`estimated_stepping_batches`, which finds the callback for you.
         """
-        return self._k.stepping_batches(trainer)
+        return self._k.stepping_batches(trainer, counts_samples=self.item_count_fn is None)
 
     # ------------------------------------------------------------------------------------- set-up
 
@@ -263,6 +279,11 @@ class GradientAccumulationLogic(_LogicBase):
             # the last fit raised inside a window: it can never be stepped, and any K may follow
             self._accumulator.reset(set_grads_to_none=True)
         self._k.start_run(trainer)
+        run = self._k.run
+        assert run is not None
+        previous, self._driver = self._driver, ScheduleDriver(run) if run.keyed_by_count else None
+        if self._driver is not None and previous is not None:  # a second fit goes on counting (a checkpoint,
+            self._driver.load_state_dict(previous.state_dict())  # loaded after `setup`, replaces this)
         api, largest = self._api, self._k.largest_k()
         compat.check_training_step(api, pl_module, largest, self._k.describe())
         if self.plan.target_batch_size is not None:  # now, so that `configure_optimizers` sees K
@@ -333,7 +354,8 @@ class GradientAccumulationLogic(_LogicBase):
             fsdp_module=sharded,
             reduce_gradients=reduce_gradients,
         )
-        accumulator.loss_scale = 1.0 / k  # Lightning divides every loss by K
+        # Lightning divides every loss by K; a driven schedule multiplies that K back per batch
+        accumulator.loss_scale = 1.0 / k if self._driver is None else 1.0
         self._signature = param_groups_signature(trainer)
         try:  # lifetime counters survive a second `fit()` and a resume from a checkpoint
             self._saved.restore(accumulator, previous, primary=trainer.global_rank == 0)
@@ -354,8 +376,8 @@ class GradientAccumulationLogic(_LogicBase):
     def _apply_k(self, trainer: pl.Trainer) -> None:
         """Write the K of the current epoch into the Trainer and the accumulator (none while unresolved)."""
         k = self._k.apply(trainer)
-        if k is not None and self._accumulator is not None:  # both raise if a window were open
-            self._accumulator.accumulation_steps = k
+        if k is not None and self._accumulator is not None and self._driver is None:  # both raise if a
+            self._accumulator.accumulation_steps = k  # window were open
             self._accumulator.loss_scale = 1.0 / k
 
     def _follow_param_groups(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -379,6 +401,8 @@ class GradientAccumulationLogic(_LogicBase):
         )
         self._accumulator.reset(set_grads_to_none=True)
         self._sync.fsdp.drop_unsynced()  # and what FSDP holds unsynced (`sharded_reduction="window_end"`)
+        if self._driver is not None:
+            self._driver.window_abandoned()
 
     # --------------------------------------------------------------------------------- per micro-batch
 
@@ -391,6 +415,11 @@ class GradientAccumulationLogic(_LogicBase):
         self._batch = current = _Batch()
         if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
             self._follow_param_groups(trainer, pl_module)  # window measures the new set from its start
+        driver = self._driver
+        if driver is not None:  # a schedule of steps or items: Lightning's K, batch by batch
+            if driver.batch_start(batch_idx, internals.batches_ready(trainer)):
+                accumulator.accumulation_steps = driver.window_k
+            trainer.accumulate_grad_batches = driver.lightning_k
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
         if not internals.backward_skipped(trainer):
             if not accumulator.window.empty and lightning_zeroes:
@@ -416,6 +445,8 @@ class GradientAccumulationLogic(_LogicBase):
         # whether this backward ends the window, asked only where it matters (a private Lightning call):
         # FSDP reducing at the window's end, the core flushing its buffers for DDP or a GradScaler
         last = (fsdp.defers or accumulator.uses_last) and not internals.should_accumulate(trainer)
+        if self._driver is not None:  # undo Lightning's 1 / K of this batch (exact for a power of two)
+            loss.mul_(self._driver.lightning_k)
         # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed,
         # weighed here in place (the core divides K and the AMP scale out once per window)
         accumulator.begin_micro_batch(
@@ -460,6 +491,8 @@ class GradientAccumulationLogic(_LogicBase):
         # Logged at this batch's end: the statistics then come along in the step's one sync.
         logs = self.log_stats and internals.logs_this_step(trainer)
         stepped = accumulator.finalize(reevaluation=current.finalized, read_statistics=logs)
+        if self._driver is not None and not current.finalized:  # items: the window's, over ranks
+            self._driver.window_closed(accumulator.last_window_items if self.plan.unit == "items" else 0.0)
         current.finalized = True
         self._sync.after_step()
         if steps_itself:
@@ -524,6 +557,8 @@ class GradientAccumulationLogic(_LogicBase):
             self._accumulator.reset(set_grads_to_none=True)
         if self._accumulator is not None:
             self._accumulator.remove_hooks()
+        if self._driver is not None:
+            self._driver.window_abandoned()
 
     # ------------------------------------------------------------------------------------- checkpoint
 
@@ -534,13 +569,19 @@ class GradientAccumulationLogic(_LogicBase):
         Under DDP this sums the open window over ranks (every rank takes part, as in every Lightning save).
         """
         warn = self._api.rank_zero_warn
-        return SavedState.save(self._accumulator, mid_batch=self._batch.recorded, warn=warn)
+        entry = SavedState.save(self._accumulator, mid_batch=self._batch.recorded, warn=warn)
+        if self._driver is not None:  # where a schedule of steps or items stands, inside a window too
+            entry["schedule"] = self._driver.state_dict()
+        return entry
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._stage not in (None, "fit"):  # validate/test/predict(ckpt_path=...) never train: keep nothing
             return
         self._saved.load(state_dict)
+        schedule = state_dict.get("schedule")
+        if schedule is not None and self._driver is not None:  # Lightning restores callbacks after `setup`
+            self._driver.load_state_dict(schedule)
 
 
 class GradientAccumulationCallback(GradientAccumulationLogic, pl.Callback):

@@ -95,15 +95,40 @@ class KOwner:
         self._applied_to = weakref.ref(trainer)
         return k
 
-    def stepping_batches(self, trainer: pl.Trainer) -> int | float:
-        """The exact number of optimizer steps of the fit, following the epoch schedule if there is one."""
+    def stepping_batches(self, trainer: pl.Trainer, *, counts_samples: bool = True) -> int | float:
+        """The exact number of optimizer steps of the fit, following the schedule if there is one.
+
+        Args:
+            trainer: The Trainer of the fit.
+            counts_samples: Whether an item is a sample (no ``item_count_fn``): a schedule keyed by items is
+                then simulated from the train dataloader's batch size; with tokens it cannot be known
+                before the data is read, and ``ValueError`` says so.
+        """
         lightning_estimate = trainer.estimated_stepping_batches  # loads the train dataloader if needed
         plan = self.run or self.plan
         batches = trainer.num_training_batches
         if plan.schedule is None or trainer.max_epochs in (None, -1) or batches == float("inf"):
             return lightning_estimate
         assert trainer.max_epochs is not None
-        return plan.stepping_batches(int(batches), trainer.max_epochs, trainer.max_steps)
+        items_per_batch = last_batch_items = None
+        if plan.unit == "items":
+            batch_size = getattr(trainer.train_dataloader, "batch_size", None)
+            if not counts_samples or not isinstance(batch_size, int):
+                raise ValueError(
+                    "The optimizer steps of a schedule keyed by items cannot be counted before training when"
+                    " an item is not a sample of a fixed-size micro-batch (an `item_count_fn` counts tokens,"
+                    " or the dataloader has no `batch_size`). Build step-interval schedulers from an upper"
+                    " bound (e.g. `trainer.estimated_stepping_batches` at the first K) or key the schedule by"
+                    " `schedule_unit='steps'`."
+                )
+            items_per_batch = batch_size * trainer.world_size
+            loader: Any = trainer.train_dataloader
+            samples = len(loader.dataset) if hasattr(getattr(loader, "dataset", None), "__len__") else None
+            if samples is not None and not getattr(loader, "drop_last", False) and samples % items_per_batch:
+                last_batch_items = samples % items_per_batch  # what every rank's last batch holds together
+        return plan.stepping_batches(
+            int(batches), trainer.max_epochs, trainer.max_steps, items_per_batch, last_batch_items
+        )
 
     # ----------------------------------------------------------------------------- target batch size
 

@@ -30,6 +30,15 @@ def should_accumulate(trainer: pl.Trainer) -> bool:
     return bool(trainer.fit_loop._should_accumulate())
 
 
+def batches_ready(trainer: pl.Trainer) -> int:
+    """Batches fetched in this epoch so far, the current one included.
+
+    ``batch_progress.current.ready`` of ``loops/training_epoch_loop.py``: incremented before
+    ``on_train_batch_start``, and what ``_accumulated_batches_reached`` takes the modulo of to decide a step.
+    """
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
 def backward_skipped(trainer: pl.Trainer) -> bool:
     """Whether Lightning runs neither ``zero_grad`` nor ``backward`` in this batch.
 

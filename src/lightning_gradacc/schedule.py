@@ -9,35 +9,49 @@ import copy
 import math
 from typing import Any
 
-from .core.validation import check_positive_int, check_schedule
+from .core.validation import ScheduleUnit, check_choice, check_positive_int, check_schedule
 
 
 class AccumulationPlan:
-    """The accumulation factor K as configured: an int, ``{epoch: K}``, or a target batch size.
+    """The accumulation factor K as configured: an int, a schedule, or a target batch size.
 
     Args:
-        accumulation_steps: K, or ``{epoch: K}`` with the semantics of Lightning's
-            ``GradientAccumulationScheduler`` (K=1 before the first key), or ``None``.
+        accumulation_steps: K, or a schedule ``{threshold: K}`` (K=1 before the first key), or ``None``.
         target_batch_size: Items per optimizer step wanted over all ranks; K is derived from the micro-batch
             size and the world size by :meth:`resolve_target`.
+        schedule_unit: What a schedule's thresholds count: ``"epochs"`` (Lightning's
+            ``GradientAccumulationScheduler``), ``"steps"`` (optimizer steps taken: windows closed) or
+            ``"items"`` (items consumed by the windows closed, over all ranks). A window's K is the
+            schedule's value at the count reached when it opens.
 
     Example:
         >>> plan = AccumulationPlan({1: 2, 3: 4})
         >>> [plan.for_epoch(epoch) for epoch in range(5)]
         [1, 2, 2, 4, 4]
+        >>> [AccumulationPlan({0: 1, 2: 3}, schedule_unit="steps").for_count(steps) for steps in range(4)]
+        [1, 1, 3, 3]
     """
 
-    def __init__(self, accumulation_steps: Any = None, target_batch_size: Any = None) -> None:
+    def __init__(
+        self, accumulation_steps: Any = None, target_batch_size: Any = None, schedule_unit: Any = "epochs"
+    ) -> None:
         if accumulation_steps is not None and target_batch_size is not None:
             raise ValueError(
                 f"Expected only one of `accumulation_steps` ({accumulation_steps!r}) and `target_batch_size`"
                 f" ({target_batch_size!r}); K is derived from `target_batch_size`, so leave"
                 " `accumulation_steps` unset."
             )
+        self.unit = check_choice("schedule_unit", schedule_unit, ScheduleUnit)
         self.fixed: int | None = None
         self.schedule: dict[int, int] | None = None
+        if self.unit != "epochs" and not isinstance(accumulation_steps, dict):
+            raise ValueError(
+                f"Argument `schedule_unit={self.unit!r}` keys a schedule, but `accumulation_steps` is"
+                f" {accumulation_steps!r}: pass `accumulation_steps={{0: K0, threshold: K1, ...}}`"
+                f" (thresholds counting {self.unit}), or leave `schedule_unit` at 'epochs'."
+            )
         if isinstance(accumulation_steps, dict):
-            self.schedule = check_schedule("accumulation_steps", accumulation_steps)
+            self.schedule = check_schedule("accumulation_steps", accumulation_steps, self.unit)
         elif accumulation_steps is not None:
             self.fixed = check_positive_int("accumulation_steps", accumulation_steps)
         self.target_batch_size = (
@@ -69,20 +83,67 @@ class AccumulationPlan:
             return max(1, *self.schedule.values())
         return self.for_epoch(0)
 
-    def stepping_batches(self, batches_per_epoch: int, max_epochs: int, max_steps: int = -1) -> int:
-        """Optimizer steps of a fit: one per window, windows cut per epoch with that epoch's K.
+    def stepping_batches(
+        self,
+        batches_per_epoch: int,
+        max_epochs: int,
+        max_steps: int = -1,
+        items_per_batch: int | None = None,
+        last_batch_items: int | None = None,
+    ) -> int:
+        """Optimizer steps of a fit: one per window; windows end at every epoch's end.
+
+        Args:
+            batches_per_epoch: Micro-batches per epoch.
+            max_epochs: Epochs of the fit.
+            max_steps: Lightning's ``max_steps`` (-1: none).
+            items_per_batch: Items of every micro-batch over all ranks (``schedule_unit="items"`` only).
+            last_batch_items: Items of an epoch's last micro-batch, if it differs (a partial batch).
 
         Example:
             >>> AccumulationPlan({0: 4, 2: 1}).stepping_batches(10, 3)  # 3 + 3 + 10
             16
+            >>> AccumulationPlan({0: 2, 2: 3}, schedule_unit="steps").stepping_batches(10, 1)  # 2 2 | 3 3 | 0
+            4
         """
-        steps = 0
+        steps, items = 0, 0
         for epoch in range(max(max_epochs, 1)):
-            k = self.for_epoch(epoch)
-            if k is None:
-                raise RuntimeError("The target batch size is not resolved yet.")
-            steps += math.ceil(batches_per_epoch / k)
+            if self.unit == "epochs":
+                k = self.for_epoch(epoch)
+                if k is None:
+                    raise RuntimeError("The target batch size is not resolved yet.")
+                steps += math.ceil(batches_per_epoch / k)
+                continue
+            left = batches_per_epoch
+            while left > 0:
+                if self.unit == "items" and items_per_batch is None:
+                    raise ValueError(
+                        "A schedule keyed by items needs the items per micro-batch to count steps."
+                    )
+                window = min(self.for_count(steps if self.unit == "steps" else items), left)
+                left -= window
+                items += window * (items_per_batch or 0)
+                if left == 0 and last_batch_items is not None:  # the epoch's last batch is partial
+                    items += last_batch_items - (items_per_batch or 0)
+                steps += 1
+                if max_steps != -1 and steps >= max_steps:
+                    return max_steps
         return min(steps, max_steps) if max_steps != -1 else steps
+
+    @property
+    def keyed_by_count(self) -> bool:
+        """Whether K changes between windows inside an epoch (a schedule of steps or items)."""
+        return self.schedule is not None and self.unit != "epochs"
+
+    def for_count(self, count: float) -> int:
+        """K of a window opening when ``count`` steps or items are done (1 before the first key)."""
+        assert self.schedule is not None
+        k = 1
+        for threshold, steps in self.schedule.items():
+            if threshold > count:
+                break
+            k = steps
+        return k
 
     @property
     def configured(self) -> bool:
@@ -90,7 +151,12 @@ class AccumulationPlan:
         return self.fixed is not None or self.schedule is not None or self.target_batch_size is not None
 
     def for_epoch(self, epoch: int) -> int | None:
-        """K for ``epoch``; ``None`` while a target batch size has not been resolved."""
+        """K for ``epoch``; ``None`` while a target batch size has not been resolved.
+
+        A schedule of steps or items gives its first K (the callback then sets K window by window).
+        """
+        if self.keyed_by_count:
+            return self.for_count(0)
         if self.schedule is not None:
             started = [steps for first_epoch, steps in self.schedule.items() if first_epoch <= epoch]
             return started[-1] if started else 1

@@ -38,7 +38,7 @@ def test_every_config_instantiates_in_both_namespaces(ns: str, config: Path, tmp
     assert isinstance(cli.trainer, __import__(ns, fromlist=["Trainer"]).Trainer)
 
 
-@pytest.mark.parametrize("config", ["quickstart", "token_lm"])
+@pytest.mark.parametrize("config", ["quickstart", "token_lm", "warmup_tokens"])
 def test_configs_train_under_lightning_pytorch(
     config: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

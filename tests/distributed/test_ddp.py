@@ -211,3 +211,27 @@ def test_ddp_target_batch_size_resolves_k_over_ranks_before_configure_optimizers
     metrics = trainer.callback_metrics
     assert float(metrics["grad_accum/accumulation_steps"]) == 2
     assert float(metrics["estimate"]) == float(metrics["grad_accum/windows"]) == 3
+
+
+def test_ddp_token_keyed_schedule_matches_the_big_batch_of_each_window() -> None:
+    """K grows with the tokens consumed over both ranks (uneven per rank): every window, whatever its K,
+    equals one step on all of its tokens."""
+    data = h.token_data(24)  # 6 micro-batches of 2 sequences per rank
+    schedule = {0: 1, 20: 2, 60: 3}
+    callback = GradientAccumulationCallback(
+        schedule, schedule_unit="items", scaling="weighted", item_count_fn=h.count_tokens
+    )
+    module = h.TokenModule(data)
+    ddp_trainer(callback).fit(module)
+    # micro-batch i of both ranks together is rows [4i, 4i+4): its tokens decide the next window's K
+    tokens = [int((data.tensors[1][4 * i : 4 * i + 4] != h.IGNORE_INDEX).sum()) for i in range(6)]
+    windows, start, consumed = [], 0, 0
+    while start < 6:
+        k = [v for t, v in sorted(schedule.items()) if t <= consumed][-1]
+        window = list(range(start, min(start + k, 6)))
+        windows.append(window)
+        consumed += sum(tokens[i] for i in window)
+        start += len(window)
+    assert len({len(w) for w in windows}) > 1  # the schedule changes K inside the epoch
+    expected = h.big_batch_reference(h.token_net(), data, 2 * WORLD, windows, h.token_loss, lr=0.5)
+    assert h.max_abs_diff(module.net, expected) < 1e-6

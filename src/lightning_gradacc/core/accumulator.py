@@ -853,6 +853,11 @@ class GradAccumulator:
         )
 
     @property
+    def last_window_items(self) -> float:
+        """Items of the last window closed, over ranks (a host read: syncs if the step did not)."""
+        return self._accounts.ledger.values(deferred=False)["items_last_step"]
+
+    @property
     def window_loss(self) -> float:
         """Item-weighted mean loss of the last window, over ranks (``nan`` if no loss was recorded)."""
         return self._accounts.window_loss

@@ -16,6 +16,7 @@ Scaling = Literal["mean", "sum", "weighted", "average", "dynamic"]
 OverflowPolicy = Literal["skip", "raise", "ignore", "skip_micro_batch"]
 ClipMode = Literal["step", "micro_batch"]
 ClipScope = Literal["global", "parameter"]
+ScheduleUnit = Literal["epochs", "steps", "items"]  # what the keys of an `accumulation_steps` schedule count
 
 _SCALING_ALIASES = {"average": "mean", "dynamic": "weighted"}
 
@@ -34,24 +35,64 @@ def check_positive_int(name: str, value: Any) -> int:
     return value
 
 
-def check_schedule(name: str, schedule: Any) -> dict[int, int]:
-    """Validate an epoch schedule ``{epoch: K}`` and return a sorted copy (the caller's dict is untouched).
+_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_threshold(name: str, key: Any) -> int:
+    """A schedule key as an int: ``12``, ``"12"``, ``"10k"``, ``"250M"``, ``"2.4B"`` (k, M, B or G, T).
+
+    Example:
+        >>> parse_threshold("accumulation_steps", "2.4B"), parse_threshold("accumulation_steps", "10k")
+        (2400000000, 10000)
+    """
+    value: Any = key
+    if isinstance(key, str):
+        text = key.strip().replace("_", "")
+        factor = _SUFFIXES.get(text[-1:].lower(), 1) if text else 1
+        number = text[:-1] if factor != 1 else text
+        try:
+            value = float(number) * factor
+        except ValueError:
+            value = None
+        if value is not None and value == int(value):
+            value = int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"Expected the keys of `{name}` to be whole numbers >= 0 (or strings such as '10k', '250M',"
+            f" '2.4B'), but got {key!r}."
+        )
+    return value
+
+
+def check_schedule(name: str, schedule: Any, unit: str = "epochs") -> dict[int, int]:
+    """Validate a schedule ``{threshold: K}`` and return a sorted copy (the caller's dict is untouched).
+
+    The thresholds count ``unit``: epochs, optimizer steps, or items consumed. Keys may be written as
+    strings with a suffix (``"250M"``), as YAML configs do.
 
     Example:
         >>> check_schedule("accumulation_steps", {3: 4, 1: 2})
         {1: 2, 3: 4}
+        >>> check_schedule("accumulation_steps", {0: 1, "10k": 4}, "items")
+        {0: 1, 10000: 4}
     """
     if not isinstance(schedule, dict) or not schedule:
         raise ValueError(
-            f"Expected argument `{name}` to be a non-empty dict {{epoch: K}}, but got {schedule!r}."
+            f"Expected argument `{name}` to be a non-empty dict {{{unit[:-1]}: K}}, but got {schedule!r}."
         )
-    for epoch, steps in schedule.items():
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+    parsed: dict[int, int] = {}
+    for key, steps in schedule.items():
+        if unit == "epochs" and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
             raise ValueError(
-                f"Expected the epochs (keys) of `{name}` to be ints >= 0, but got {epoch!r} in {schedule!r}."
+                f"Expected the epochs (keys) of `{name}` to be ints >= 0, but got {key!r} in {schedule!r}."
             )
-        check_positive_int(f"{name}[{epoch}]", steps)
-    return dict(sorted(schedule.items()))
+        threshold = parse_threshold(name, key)
+        if threshold in parsed:
+            raise ValueError(f"The keys of `{name}` repeat {threshold} ({schedule!r}).")
+        parsed[threshold] = check_positive_int(f"{name}[{key!r}]", steps)
+    return dict(sorted(parsed.items()))
 
 
 def check_choice(name: str, value: Any, choices: Any) -> str:

@@ -1,0 +1,193 @@
+"""Schedules keyed by optimizer steps or items: every window equals the big batch of its own micro-batches.
+
+The reference takes windows of exactly the lengths the schedule implies (a window's K is the schedule's value
+at the count reached when it opens; an epoch's end closes a window), one SGD step each on all of the window's
+data as one batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_gradacc import GradientAccumulationCallback
+from lightning_gradacc.window_driver import lightning_k
+from tests import helpers as h
+
+BATCHES = 10  # 40 samples in micro-batches of 4
+
+
+def schedule_windows(
+    schedule: dict[int, int], *, epochs: int = 1, unit: str = "steps", items_per_batch: int = 4
+) -> list[list[int]]:
+    """Windows of batch indices (of the whole data, epoch after epoch) as the schedule implies."""
+    windows: list[list[int]] = []
+    steps, items = 0, 0
+    for _ in range(epochs):
+        start = 0
+        while start < BATCHES:
+            count = steps if unit == "steps" else items
+            started = [v for t, v in sorted(schedule.items()) if t <= count]
+            k = started[-1] if started else 1
+            window = list(range(start, min(start + k, BATCHES)))
+            windows.append(window)
+            start += len(window)
+            steps += 1
+            items += len(window) * items_per_batch
+    return windows
+
+
+def fit(callback: GradientAccumulationCallback, epochs: int = 1) -> tuple[h.RegressionModule, object]:
+    module = h.RegressionModule(h.regression_data(40))
+    trainer = h.trainer(callbacks=[callback], max_epochs=epochs)
+    trainer.fit(module)
+    return module, trainer
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {0: 1, 1: 3},  # 1 | 3 3 3: a transition after the first step
+        {0: 2, 2: 3},  # 2 2 | 3 3: mid-epoch, not at a multiple
+        {0: 4, 1: 3, 2: 2},  # 4 | 3 | 2 2 2 - 1: decreasing, the last window partial
+        {0: 3, 1: 4, 3: 1},  # 3 | 4 | 3 (partial) ; increasing then down to 1
+        {0: 1, 3: 7},  # 1 1 1 | 7: a window longer than what is left (the epoch's end closes it)
+    ],
+    ids=str,
+)
+def test_a_step_keyed_schedule_equals_the_big_batch_of_each_window(schedule: dict[int, int]) -> None:
+    callback = GradientAccumulationCallback(schedule, schedule_unit="steps")
+    module, trainer = fit(callback, epochs=2)
+    expected = schedule_windows(schedule, epochs=2)
+    assert trainer.global_step == len(expected)  # type: ignore[attr-defined]
+    assert h.max_abs_diff(module.net, h.regression_reference(expected)) < 1e-6
+
+
+@pytest.mark.parametrize("position", range(1, BATCHES))
+def test_a_transition_at_every_position_of_an_epoch(position: int) -> None:
+    """K=1 for the first `position` steps, then 3: the change lands at every batch index once."""
+    schedule = {0: 1, position: 3}
+    module, _ = fit(GradientAccumulationCallback(schedule, schedule_unit="steps"))
+    assert h.max_abs_diff(module.net, h.regression_reference(schedule_windows(schedule))) < 1e-6
+
+
+def test_an_item_keyed_schedule_follows_the_items_consumed() -> None:
+    """Thresholds in samples (written as YAML would, "12"): K=1 until 12 samples, 2 until 20, then 3."""
+    schedule = {0: 1, "12": 2, 20: 3}
+    module, _ = fit(GradientAccumulationCallback(schedule, schedule_unit="items"))
+    expected = schedule_windows({0: 1, 12: 2, 20: 3}, unit="items")
+    assert [len(w) for w in expected] == [1, 1, 1, 2, 3, 2]  # 4 samples each: 4 8 12 | 20 | 32
+    assert h.max_abs_diff(module.net, h.regression_reference(expected)) < 1e-6
+
+
+def test_the_naive_per_batch_setter_fails_the_same_oracle() -> None:
+    """Negative control: setting `trainer.accumulate_grad_batches` from `global_step` at each batch start
+    (Lightning PR #21583's approach) leaves Lightning's zero/step decisions on the old modulo."""
+    import pytorch_lightning as pl
+
+    schedule = {0: 2, 2: 3}
+
+    class NaiveSetter(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+            step = trainer.global_step
+            trainer.accumulate_grad_batches = [v for t, v in sorted(schedule.items()) if t <= step][-1]
+
+    module = h.RegressionModule(h.regression_data(40))
+    h.trainer(callbacks=[NaiveSetter()], max_epochs=2).fit(module)
+    error = h.max_abs_diff(module.net, h.regression_reference(schedule_windows(schedule, epochs=2)))
+    assert error > 1e-2
+
+
+def test_lightning_is_driven_to_every_wanted_decision() -> None:
+    """For every batch index and either wish, Lightning's own tests (zero: n % K == 0, step: ready % K
+    == 0) give what the window needs, and K is a power of two wherever one exists."""
+    for n in range(0, 2000):
+        ready = n + 1
+        k = lightning_k(n, ready, ends_window=True)
+        assert ready % k == 0 and (n == 0 or n % k != 0)
+        k = lightning_k(n, ready, ends_window=False)
+        assert ready % k != 0 and (n == 0 or n % k != 0) and k & (k - 1) == 0
+
+
+def test_a_resume_inside_the_first_window_after_a_transition_is_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Saved after batch 5 (inside the first 3-window after two 2-windows), resumed: the same parameters as
+    the uninterrupted fit."""
+    schedule = {0: 2, 2: 3}
+    whole = h.RegressionModule(h.regression_data(40), resumable=True)
+    h.trainer(callbacks=[GradientAccumulationCallback(schedule, schedule_unit="steps")], max_epochs=2).fit(
+        whole
+    )
+    stopped = h.RegressionModule(h.regression_data(40), resumable=True)
+    h.preempt(
+        stopped, [GradientAccumulationCallback(schedule, schedule_unit="steps")], 5, tmp_path / "mid.ckpt"
+    )
+    resumed = h.RegressionModule(h.regression_data(40), resumable=True)
+    callback = GradientAccumulationCallback(schedule, schedule_unit="steps")
+    h.trainer(callbacks=[callback], max_epochs=2).fit(resumed, ckpt_path=str(tmp_path / "mid.ckpt"))
+    assert h.max_abs_diff(resumed.net, whole.net) < 1e-7
+
+
+def test_schedule_unit_needs_a_schedule_and_keys_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"schedule_unit='steps'.*keys a schedule"):
+        GradientAccumulationCallback(4, schedule_unit="steps")
+    with pytest.raises(ValueError, match="schedule_unit"):
+        GradientAccumulationCallback({0: 1}, schedule_unit="tokens")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="whole numbers >= 0"):
+        GradientAccumulationCallback({"1.5k5": 2}, schedule_unit="items")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "unit", "samples"),
+    [
+        ({0: 2, 2: 3}, "steps", 40),
+        ({0: 1, 3: 4}, "steps", 38),
+        ({0: 1, 12: 2, 20: 3}, "items", 40),
+        ({0: 1, 8: 3}, "items", 38),
+    ],
+    ids=str,
+)
+def test_estimated_stepping_batches_counts_the_steps_of_the_schedule(
+    schedule: dict[int, int], unit: str, samples: int
+) -> None:
+    """A `OneCycleLR` built from it completes exactly: the scheduler's total equals the steps taken."""
+    import torch
+
+    from lightning_gradacc import estimated_stepping_batches
+
+    class OneCycle(h.RegressionModule):
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            self.total = estimated_stepping_batches(self.trainer)
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=self.total)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    module = OneCycle(h.regression_data(samples))
+    trainer = h.trainer(callbacks=[GradientAccumulationCallback(schedule, schedule_unit=unit)], max_epochs=2)
+    trainer.fit(module)
+    assert module.total == trainer.global_step
+
+
+def test_a_token_keyed_schedule_cannot_be_counted_before_training() -> None:
+    """Tokens are known only once the data is read: asked in `configure_optimizers`, the count refuses."""
+    import torch
+
+    from lightning_gradacc import estimated_stepping_batches
+    from lightning_gradacc.counters import count_tokens
+
+    class AsksForTheCount(h.TokenModule):
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            estimated_stepping_batches(self.trainer)
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    callback = GradientAccumulationCallback(
+        {0: 1, "1k": 2}, schedule_unit="items", scaling="weighted", item_count_fn=count_tokens
+    )
+    with pytest.raises(ValueError, match="cannot be counted before training"):
+        h.trainer(callbacks=[callback]).fit(AsksForTheCount(h.token_data()))
+
+
+def test_each_step_says_its_k_and_the_items_consumed_so_far() -> None:
+    schedule = {0: 1, 12: 2, 20: 3}
+    callback = GradientAccumulationCallback(schedule, schedule_unit="items")
+    fit(callback)
+    assert callback.items_consumed == 40  # every sample of the epoch, in closed windows
+    assert callback.stats.accumulation_steps == 3 and callback.stats.items_last_step == 8  # [8, 9]: partial
