@@ -15,10 +15,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradacc import GradAccumulator, GradientAccumulationCallback
 
-MODES = ("builtin", "callback", "weighted", "buffers", "noise", "noise4", "plain", "plain+core")
+MODES = ("builtin", "callback", "schedule", "weighted", "buffers", "noise", "noise4", "plain", "plain+core")
 MODE_TITLES = {
     "builtin": "Lightning `accumulate_grad_batches`",
     "callback": "callback (default)",
+    "schedule": 'callback `{0: K}` by `schedule_unit="steps"` (driven per batch)',
     "weighted": 'callback `scaling="weighted"`',
     "buffers": 'callback `accumulation_dtype="float32"`',
     "noise": "callback `noise_scale=True`",
@@ -118,6 +119,8 @@ def accumulation_callbacks(mode: str, k: int) -> list[pl.Callback]:
         "noise": {"noise_scale": True},
         "noise4": {"noise_scale": True, "noise_scale_every": 4},
     }.get(mode, {})
+    if mode == "schedule":  # the same windows as K, through the per-batch driving of a step-keyed schedule
+        return [GradientAccumulationCallback({0: k}, schedule_unit="steps")]
     return [GradientAccumulationCallback(k, **kwargs)]
 
 

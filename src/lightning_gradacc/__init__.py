@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .core import GradAccumulator, GradientOverflowError
+from .schedule import linear_ramp
 from .stats import AccumulationStats
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ __all__ = [
     "GradientOverflowError",
     "__version__",
     "estimated_stepping_batches",
+    "linear_ramp",
 ]
 
 

@@ -32,6 +32,7 @@ from .core import GradAccumulator
 from .core.validation import AccumulationSettings
 from .counters import check_item_count_fn, count_micro_batch
 from .k_owner import KOwner
+from .lr_scaling import LRScaling
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
 from .param_groups import optimized_parameters, param_groups_signature
 from .reduction import WindowReduction
@@ -97,8 +98,9 @@ class GradientAccumulationLogic(_LogicBase):
     steps the window itself in that hook, so later hooks run after the step.)
 
     Args:
-        accumulation_steps: K; or ``{epoch: K}`` (as Lightning's ``GradientAccumulationScheduler``);
-            ``None`` adopts ``Trainer(accumulate_grad_batches=...)``.
+        accumulation_steps: K; or a schedule ``{threshold: K}`` of ``schedule_unit`` (by epoch: as Lightning's
+            ``GradientAccumulationScheduler``; keys may be written ``"10k"``, ``"2.4B"``); ``None`` adopts
+            ``Trainer(accumulate_grad_batches=...)``.
         target_batch_size: Items per optimizer step over all ranks; K = ceil(target / (micro-batch size x
             world size)), resolved in ``setup`` (before ``configure_optimizers``, so that
             ``trainer.estimated_stepping_batches`` is exact). Exclusive with ``accumulation_steps``.
@@ -136,6 +138,12 @@ class GradientAccumulationLogic(_LogicBase):
             DDP only.
         noise_scale_decay: Of the exponential averages of |G|² and tr Σ before their ratio is taken.
         noise_scale_every: Measure one optimizer step in this many (the others cost nothing).
+        schedule_unit: What the keys of an ``accumulation_steps`` schedule count: ``"epochs"``, ``"steps"``
+            (optimizer steps so far) or ``"items"`` (items of the windows closed so far, over all ranks). A
+            window's K is the schedule's value at the count reached when it opens, mid-epoch.
+        lr_scaling: ``"none"``, ``"sqrt"`` or ``"linear"``: every step's learning rates are multiplied by
+            (K of its window / K of the first window) to the power 0, 1/2 or 1, around the step only (LR
+            schedulers never see it); logged as ``grad_accum/lr_factor``.
 
     Attributes:
         plan: How K is chosen, as configured (:class:`~lightning_gradacc.schedule.AccumulationPlan`); each
@@ -178,6 +186,7 @@ class GradientAccumulationLogic(_LogicBase):
         noise_scale_decay: float = 0.95,
         noise_scale_every: int = 1,
         schedule_unit: Literal["epochs", "steps", "items"] = "epochs",
+        lr_scaling: Literal["none", "sqrt", "linear"] = "none",
     ) -> None:
         self._k = KOwner(AccumulationPlan(accumulation_steps, target_batch_size, schedule_unit))
         self.sharded_reduction = check_reduction(sharded_reduction)
@@ -208,6 +217,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
         self._batch = _Batch()
         self._driver: ScheduleDriver | None = None  # the windows of a schedule of steps or items, per fit
+        self._lr_scaling = LRScaling(lr_scaling)
         self._paused_clipping: internals.PausedClipping | None = None  # Lightning's, until the batch ends
         self._skips = SkipWarnings()
         self._warned_no_items = False
@@ -327,6 +337,12 @@ class GradientAccumulationLogic(_LogicBase):
         if self._sync.core_reduces:
             self._sync.start()
             compat.warn_ddp_comm_hook(self._api, trainer.strategy)
+        run = self._k.run
+        assert run is not None
+        first_k = run.for_count(0) if run.keyed_by_count else run.for_epoch(0) or 1
+        accumulator = self._accumulator
+        assert accumulator is not None
+        self._lr_scaling.attach(trainer.optimizers, lambda: accumulator.accumulation_steps, first_k)
         self._go_first(trainer)  # again: another callback may have moved itself in its own `setup`
 
     def _go_first(self, trainer: pl.Trainer) -> None:
@@ -526,8 +542,14 @@ class GradientAccumulationLogic(_LogicBase):
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1, logger=logger)
 
     def metrics(self) -> dict[str, float]:
-        """The logged scalars: ``LOGGED_STATISTICS`` and ``window_loss``, under ``grad_accum/``."""
-        return step_metrics(self._accumulator, noise_scale=self.settings.noise_scale)
+        """The logged scalars under ``grad_accum/``: ``LOGGED_STATISTICS``, ``window_loss``, ``lr_factor``.
+
+        ``lr_factor`` only with ``lr_scaling``.
+        """
+        logged = step_metrics(self._accumulator, noise_scale=self.settings.noise_scale)
+        if self._lr_scaling.active and logged:
+            logged["grad_accum/lr_factor"] = self._lr_scaling.factor
+        return logged
 
     def _resume_clipping(self) -> None:
         paused, self._paused_clipping = self._paused_clipping, None
@@ -539,6 +561,7 @@ class GradientAccumulationLogic(_LogicBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self._resume_clipping()
+        self._lr_scaling.detach()
         if self._accumulator is not None:  # its open window stays for a checkpoint saved after this hook
             self._accumulator.remove_hooks()  # (`OnExceptionCheckpoint`); the next `fit` discards it
         # With sync off FSDP keeps a window's gradients unsharded inside itself, where neither `zero_grad`
@@ -559,6 +582,7 @@ class GradientAccumulationLogic(_LogicBase):
             self._accumulator.remove_hooks()
         if self._driver is not None:
             self._driver.window_abandoned()
+        self._lr_scaling.detach()
 
     # ------------------------------------------------------------------------------------- checkpoint
 

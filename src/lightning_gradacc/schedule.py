@@ -12,6 +12,37 @@ from typing import Any
 from .core.validation import ScheduleUnit, check_choice, check_positive_int, check_schedule
 
 
+def linear_ramp(
+    first_k: int, last_k: int, over: int, *, increment: int = 1, start: int = 0
+) -> dict[int, int]:
+    """A schedule ``{threshold: K}`` growing K from ``first_k`` to ``last_k`` in equal stages over ``over``.
+
+    The form of Megatron-LM's ``--rampup-batch-size <start> <increment> <ramp-up samples>``, in micro-batches
+    per step: ``(last_k - first_k) / increment`` increments, one every ``over / increments`` units (steps or
+    items, as ``schedule_unit`` says), the last reached at ``start + over``.
+
+    Example:
+        >>> linear_ramp(1, 4, 3000)  # K=1 from 0, 2 from 1000, 3 from 2000, 4 from 3000 on
+        {0: 1, 1000: 2, 2000: 3, 3000: 4}
+        >>> linear_ramp(2, 8, 9_000_000, increment=2, start=1_000_000)
+        {0: 2, 4000000: 4, 7000000: 6, 10000000: 8}
+    """
+    first_k = check_positive_int("first_k", first_k)
+    last_k = check_positive_int("last_k", last_k)
+    over = check_positive_int("over", over)
+    increment = check_positive_int("increment", increment)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"Expected argument `start` to be an int >= 0, but got {start!r}.")
+    steps, rest = divmod(last_k - first_k, increment)
+    if last_k < first_k or rest:
+        raise ValueError(
+            f"Expected `last_k` ({last_k}) to be `first_k` ({first_k}) plus a whole number of `increment`"
+            f" ({increment})."
+        )
+    ramp = {start + round(i * over / steps): first_k + i * increment for i in range(1, steps + 1)}
+    return {0: first_k, **ramp}
+
+
 class AccumulationPlan:
     """The accumulation factor K as configured: an int, a schedule, or a target batch size.
 

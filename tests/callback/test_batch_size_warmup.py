@@ -191,3 +191,94 @@ def test_each_step_says_its_k_and_the_items_consumed_so_far() -> None:
     fit(callback)
     assert callback.items_consumed == 40  # every sample of the epoch, in closed windows
     assert callback.stats.accumulation_steps == 3 and callback.stats.items_last_step == 8  # [8, 9]: partial
+
+
+@pytest.mark.parametrize(("mode", "power"), [("sqrt", 0.5), ("linear", 1.0)])
+def test_lr_scaling_multiplies_each_step_by_the_window_k_and_leaves_the_scheduler_alone(
+    mode: str, power: float
+) -> None:
+    """Oracle: the reference steps each window with lr x (K / K_first) ** p; a StepLR's own value is
+    unchanged at the end (the factor exists only during the step)."""
+    import torch
+
+    schedule = {0: 1, 2: 4}
+    factors: list[float] = []
+
+    class WithStepLR(h.RegressionModule):
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            self.scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler, "interval": "step"}}
+
+    module = WithStepLR(h.regression_data(40))
+    callback = GradientAccumulationCallback(schedule, schedule_unit="steps", lr_scaling=mode)
+    trainer = h.trainer(callbacks=[callback])
+    trainer.fit(module)
+    windows = schedule_windows(schedule)  # 1 1 | 4 4 | 0
+    assert [len(w) for w in windows] == [1, 1, 4, 4]
+    # the reference: StepLR halves every 2 steps; each window's lr times (K / 1) ** p
+    reference = h.regression_net()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    tensors = h.regression_data(40).tensors
+    for index, window in enumerate(windows):
+        factor = (len(window) if index < 3 else 4) ** power
+        factors.append(factor)
+        rows = torch.cat([torch.arange(4 * b, 4 * b + 4) for b in window])
+        optimizer.zero_grad()
+        h.mse(reference, *(t[rows] for t in tensors)).backward()
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * 0.5 ** (index // 2) * factor
+        optimizer.step()
+    assert h.max_abs_diff(module.net, reference) < 1e-6
+    assert module.scheduler.get_last_lr() == [0.1 * 0.5**2]  # the scheduler never saw the factor
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.1 * 0.5**2
+    assert callback.metrics()["grad_accum/lr_factor"] == factors[-1]
+
+
+def test_lr_scaling_is_checked() -> None:
+    with pytest.raises(ValueError, match="lr_scaling"):
+        GradientAccumulationCallback({0: 1, 2: 4}, schedule_unit="steps", lr_scaling="square")  # type: ignore[arg-type]
+
+
+def test_a_linear_ramp_is_a_schedule_and_bad_ramps_are_refused() -> None:
+    from lightning_gradacc import linear_ramp
+
+    ramp = linear_ramp(1, 3, 16, start=4)  # samples: K=1 until 12, 2 until 20, then 3
+    assert ramp == {0: 1, 12: 2, 20: 3}
+    module, _ = fit(GradientAccumulationCallback(ramp, schedule_unit="items"))
+    assert h.max_abs_diff(module.net, h.regression_reference(schedule_windows(ramp, unit="items"))) < 1e-6
+    with pytest.raises(ValueError, match="whole number of `increment`"):
+        linear_ramp(1, 4, 100, increment=2)
+
+
+def test_an_lr_schedule_indexed_by_the_items_consumed() -> None:
+    """The documented LambdaLR: a linear warmup over the first 16 samples, read from `items_consumed`."""
+    import torch
+
+    schedule = {0: 1, 8: 2}
+    callback = GradientAccumulationCallback(schedule, schedule_unit="items")
+    seen: list[float] = []
+
+    class TokenWarmup(h.RegressionModule):
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+
+            def lr_at(step: int) -> float:
+                seen.append(callback.items_consumed or 0)
+                return min(1.0, (callback.items_consumed or 0) / 16)
+
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    module = TokenWarmup(h.regression_data(40))
+    h.trainer(callbacks=[callback]).fit(module)
+    assert seen == [
+        0,
+        4,
+        8,
+        16,
+        24,
+        32,
+        40,
+    ]  # at construction, then after each window: 1, 1, 2, 2, 2, 2 batches
+    assert module.trainer.optimizers[0].param_groups[0]["lr"] == 0.1
