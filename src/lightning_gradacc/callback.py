@@ -304,6 +304,7 @@ class GradientAccumulationLogic(_LogicBase):
         compat.check_gradient_clip_val(api, trainer, self.settings)
         self._scaler = internals.grad_scaler(trainer)
         compat.check_grad_scaler(api, self._scaler, self.settings.overflow)
+        compat.check_driven_precision(trainer, self._driver is not None)
 
     def _check_compatibility(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         compat.check_automatic_optimization(pl_module)

@@ -282,3 +282,10 @@ def test_an_lr_schedule_indexed_by_the_items_consumed() -> None:
         40,
     ]  # at construction, then after each window: 1, 1, 2, 2, 2, 2 batches
     assert module.trainer.optimizers[0].param_groups[0]["lr"] == 0.1
+
+
+def test_a_driven_schedule_is_refused_under_16_true() -> None:
+    """Lightning would divide fp16 losses by a per-batch K of up to an epoch's batches (underflow)."""
+    callback = GradientAccumulationCallback({0: 1, 2: 3}, schedule_unit="steps")
+    with pytest.raises(RuntimeError, match="16-true"):
+        h.trainer(callbacks=[callback], precision="16-true").fit(h.RegressionModule(h.regression_data(40)))
