@@ -245,7 +245,8 @@ class GradientAccumulationLogic(_LogicBase):
             Gradient accumulation summary
         """
         loss = self._accumulator.window_loss if self._accumulator is not None else math.nan
-        return format_summary(self.stats, loss, self._log_dir)
+        schedule = self._driver.describe() if self._driver is not None else None
+        return format_summary(self.stats, loss, self._log_dir, schedule)
 
     @property
     def items_consumed(self) -> float | None:
@@ -289,22 +290,30 @@ class GradientAccumulationLogic(_LogicBase):
             # the last fit raised inside a window: it can never be stepped, and any K may follow
             self._accumulator.reset(set_grads_to_none=True)
         self._k.start_run(trainer)
-        run = self._k.run
-        assert run is not None
-        previous, self._driver = self._driver, ScheduleDriver(run) if run.keyed_by_count else None
-        if self._driver is not None and previous is not None:  # a second fit goes on counting (a checkpoint,
-            self._driver.load_state_dict(previous.state_dict())  # loaded after `setup`, replaces this)
         api, largest = self._api, self._k.largest_k()
         compat.check_training_step(api, pl_module, largest, self._k.describe())
         if self.plan.target_batch_size is not None:  # now, so that `configure_optimizers` sees K
             self._k.resolve_target_early(trainer, api.rank_zero_warn)
+        self._start_driver()
         self._apply_k(trainer)
         self._go_first(trainer)
         compat.warn_step_hooks_overridden(api, pl_module, largest)
         compat.check_gradient_clip_val(api, trainer, self.settings)
         self._scaler = internals.grad_scaler(trainer)
         compat.check_grad_scaler(api, self._scaler, self.settings.overflow)
-        compat.check_driven_precision(trainer, self._driver is not None)
+        run = self._k.run
+        assert run is not None
+        compat.check_driven_precision(trainer, run.keyed_by_count or run.target_schedule is not None)
+
+    def _start_driver(self) -> None:
+        """The fit's driver of a schedule keyed by steps or items (a target per stage once resolved)."""
+        run = self._k.run
+        assert run is not None
+        if not run.keyed_by_count or (self._driver is not None and self._driver.plan is run):
+            return
+        previous, self._driver = self._driver, ScheduleDriver(run)
+        if previous is not None:  # a second fit goes on counting (a checkpoint, loaded after `setup`,
+            self._driver.load_state_dict(previous.state_dict())  # replaces this)
 
     def _check_compatibility(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         compat.check_automatic_optimization(pl_module)
@@ -315,6 +324,7 @@ class GradientAccumulationLogic(_LogicBase):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._k.resolve_target_again(trainer, self._api.rank_zero_warn)
+        self._start_driver()  # a target per stage not resolved in `setup`
         self._apply_k(trainer)
         compat.check_optimizers(
             trainer, self._k.largest_k(), self._k.describe(), self.estimated_stepping_batches

@@ -174,6 +174,18 @@ class KOwner:
                 " with `batch_size=...` or set `accumulation_steps` instead."
             )
         k, effective = self.run.resolve_target(batch_size, trainer.world_size)
+        if self.run.target_schedule is not None:  # a size per stage: name the stages that are not multiples
+            per_window = batch_size * trainer.world_size
+            off = [f"{size} -> K={-(-size // per_window)}" for size in self.run.target_schedule.values()]
+            uneven = [
+                o for o, size in zip(off, self.run.target_schedule.values(), strict=True) if size % per_window
+            ]
+            if uneven:
+                warn(
+                    f"`target_batch_size` stages that are not a multiple of micro-batch size {batch_size} x"
+                    f" {trainer.world_size} rank(s) round up: {', '.join(uneven)}."
+                )
+            return
         if effective != self.plan.target_batch_size:
             warn(
                 f"`target_batch_size={self.plan.target_batch_size}` is not a multiple of micro-batch size"

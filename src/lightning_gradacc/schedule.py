@@ -49,7 +49,8 @@ class AccumulationPlan:
     Args:
         accumulation_steps: K, or a schedule ``{threshold: K}`` (K=1 before the first key), or ``None``.
         target_batch_size: Items per optimizer step wanted over all ranks; K is derived from the micro-batch
-            size and the world size by :meth:`resolve_target`.
+            size and the world size by :meth:`resolve_target`. With ``schedule_unit`` ``"steps"`` or
+            ``"items"`` also a schedule ``{threshold: batch size}``: each stage's K derived alike.
         schedule_unit: What a schedule's thresholds count: ``"epochs"`` (Lightning's
             ``GradientAccumulationScheduler``), ``"steps"`` (optimizer steps taken: windows closed) or
             ``"items"`` (items consumed by the windows closed, over all ranks). A window's K is the
@@ -75,7 +76,13 @@ class AccumulationPlan:
         self.unit = check_choice("schedule_unit", schedule_unit, ScheduleUnit)
         self.fixed: int | None = None
         self.schedule: dict[int, int] | None = None
-        if self.unit != "epochs" and not isinstance(accumulation_steps, dict):
+        keyed_target = isinstance(target_batch_size, dict)
+        if keyed_target and self.unit == "epochs":
+            raise ValueError(
+                f"A `target_batch_size` per stage ({target_batch_size!r}) needs `schedule_unit='steps'` or"
+                " `'items'`: its thresholds count optimizer steps or items."
+            )
+        if self.unit != "epochs" and not isinstance(accumulation_steps, dict) and not keyed_target:
             raise ValueError(
                 f"Argument `schedule_unit={self.unit!r}` keys a schedule, but `accumulation_steps` is"
                 f" {accumulation_steps!r}: pass `accumulation_steps={{0: K0, threshold: K1, ...}}`"
@@ -85,8 +92,13 @@ class AccumulationPlan:
             self.schedule = check_schedule("accumulation_steps", accumulation_steps, self.unit)
         elif accumulation_steps is not None:
             self.fixed = check_positive_int("accumulation_steps", accumulation_steps)
-        self.target_batch_size = (
-            None if target_batch_size is None else check_positive_int("target_batch_size", target_batch_size)
+        self.target_schedule = (  # batch size per stage, resolved into `schedule` by `resolve_target`
+            check_schedule("target_batch_size", target_batch_size, self.unit) if keyed_target else None
+        )
+        self.target_batch_size: Any = (
+            target_batch_size
+            if target_batch_size is None or keyed_target
+            else check_positive_int("target_batch_size", target_batch_size)
         )
         self.target_k: int | None = None
 
@@ -208,5 +220,12 @@ class AccumulationPlan:
         if self.target_batch_size is None:
             raise RuntimeError("No `target_batch_size` to resolve.")
         per_window = micro_batch_size * world_size
+        if self.target_schedule is not None:  # each stage alike; the first stage's K and size returned
+            self.schedule = {
+                threshold: max(1, math.ceil(size / per_window))
+                for threshold, size in self.target_schedule.items()
+            }
+            self.target_k = self.for_count(0)
+            return self.target_k, self.target_k * per_window
         self.target_k = max(1, math.ceil(self.target_batch_size / per_window))
         return self.target_k, self.target_k * per_window

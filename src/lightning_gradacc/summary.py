@@ -82,13 +82,16 @@ def _noise_scale(stats: AccumulationStats) -> str:
     return f"{noise:,.1f} {unit} (averaged over recent steps)"
 
 
-def format_summary(stats: AccumulationStats, window_loss: float, log_dir: str | None) -> str:
+def format_summary(
+    stats: AccumulationStats, window_loss: float, log_dir: str | None, schedule: str | None = None
+) -> str:
     """Render the statistics of a finished run as a two-column table (``callback.summary()`` prints it).
 
     Args:
         stats: The callback's statistics at the end of ``fit``.
         window_loss: Mean loss of the last window.
         log_dir: Where the logger writes (``None``: no logger).
+        schedule: Where a schedule keyed by steps or items stands (``None``: none).
 
     Example:
         >>> print(format_summary(AccumulationStats(accumulation_steps=4, windows=3), 0.5, None))
@@ -103,6 +106,7 @@ def format_summary(stats: AccumulationStats, window_loss: float, log_dir: str | 
     rows = [
         ("optimizer steps taken", f"{stats.steps_taken:,} of {stats.windows:,} windows"),
         ("accumulation steps (K)", str(k)),
+        *([("schedule", schedule)] if schedule is not None else []),
         ("effective batch (items)", _effective_batch(stats)),
         ("micro-batches", f"{stats.total_micro_batches:,}"),
         ("skipped steps", f"{stats.skipped_steps:,}"),

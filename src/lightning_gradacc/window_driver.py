@@ -127,6 +127,25 @@ class ScheduleDriver:
         """The open window was discarded (e.g. an epoch ended inside it): the next batch opens a new one."""
         self.batches_in_window = 0
 
+    def describe(self) -> str:
+        """Where the schedule stands, for the summary.
+
+        Example:
+            >>> from lightning_gradacc.schedule import AccumulationPlan
+            >>> driver = ScheduleDriver(AccumulationPlan({0: 1, 100: 2, "1k": 4}, schedule_unit="items"))
+            >>> driver.window_closed(items=120.0)
+            >>> driver.describe()
+            'by items: 2 of 3 stages reached (K=2 now); 1 steps, 120 items consumed'
+        """
+        assert self.plan.schedule is not None
+        reached = sum(threshold <= self.count for threshold in self.plan.schedule)
+        now = self.plan.for_count(self.count)
+        items = f"{self.items:,.0f}" if float(self.items).is_integer() else f"{self.items:,.1f}"
+        return (
+            f"by {self.plan.unit}: {reached} of {len(self.plan.schedule)} stages reached (K={now} now);"
+            f" {self.steps:,} steps, {items} items consumed"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The counts and the open window's position, as plain numbers."""
         return {

@@ -289,3 +289,23 @@ def test_a_driven_schedule_is_refused_under_16_true() -> None:
     callback = GradientAccumulationCallback({0: 1, 2: 3}, schedule_unit="steps")
     with pytest.raises(RuntimeError, match="16-true"):
         h.trainer(callbacks=[callback], precision="16-true").fit(h.RegressionModule(h.regression_data(40)))
+
+
+def test_the_summary_shows_the_stages_reached() -> None:
+    callback = GradientAccumulationCallback({0: 1, 12: 2, 20: 3, "1k": 8}, schedule_unit="items")
+    fit(callback)
+    row = next(line for line in callback.summary().splitlines() if line.startswith("schedule"))
+    assert row.endswith("by items: 3 of 4 stages reached (K=3 now); 6 steps, 40 items consumed")
+
+
+def test_a_target_batch_size_per_stage_derives_each_stage_k(recwarn: pytest.WarningsRecorder) -> None:
+    """Micro-batches of 4 samples: 4 items per step for 2 steps, then 12 (K=3), then 10 -> K=3 (rounded up,
+    with a warning naming the stage)."""
+    callback = GradientAccumulationCallback(target_batch_size={0: 4, 2: 12, 4: 10}, schedule_unit="steps")
+    module, _ = fit(callback, epochs=2)
+    assert callback._k.run is not None and callback._k.run.schedule == {0: 1, 2: 3, 4: 3}
+    expected = schedule_windows({0: 1, 2: 3}, epochs=2)
+    assert h.max_abs_diff(module.net, h.regression_reference(expected)) < 1e-6
+    assert any("10 -> K=3" in str(w.message) for w in recwarn)
+    with pytest.raises(ValueError, match="per stage"):
+        GradientAccumulationCallback(target_batch_size={0: 4, 2: 12})
