@@ -381,8 +381,9 @@ class GradientAccumulationLogic(_LogicBase):
             fsdp_module=sharded,
             reduce_gradients=reduce_gradients,
         )
-        # Lightning divides every loss by K; a driven schedule multiplies that K back per batch
-        accumulator.loss_scale = 1.0 / k if self._driver is None else 1.0
+        # Lightning divides every loss by K (a driven schedule: the window's own, restored from a checkpoint
+        # taken inside one, else set when the next window opens)
+        accumulator.loss_scale = 1.0 / (k if self._driver is None else self._driver.lightning_k)
         self._signature = param_groups_signature(trainer)
         try:  # lifetime counters survive a second `fit()` and a resume from a checkpoint
             self._saved.restore(accumulator, previous, primary=trainer.global_rank == 0)
@@ -443,9 +444,10 @@ class GradientAccumulationLogic(_LogicBase):
         if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
             self._follow_param_groups(trainer, pl_module)  # window measures the new set from its start
         driver = self._driver
-        if driver is not None:  # a schedule of steps or items: Lightning's K, batch by batch
-            if driver.batch_start(batch_idx, internals.batches_ready(trainer)):
+        if driver is not None:  # a schedule of steps or items: K and Lightning's K, window by window
+            if driver.batch_start(internals.batches_ready(trainer)):
                 accumulator.accumulation_steps = driver.window_k
+                accumulator.loss_scale = 1.0 / driver.lightning_k  # what Lightning divides every loss by
             trainer.accumulate_grad_batches = driver.lightning_k
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
         if not internals.backward_skipped(trainer):
@@ -472,8 +474,6 @@ class GradientAccumulationLogic(_LogicBase):
         # whether this backward ends the window, asked only where it matters (a private Lightning call):
         # FSDP reducing at the window's end, the core flushing its buffers for DDP or a GradScaler
         last = (fsdp.defers or accumulator.uses_last) and not internals.should_accumulate(trainer)
-        if self._driver is not None:  # undo Lightning's 1 / K of this batch (exact for a power of two)
-            loss.mul_(self._driver.lightning_k)
         # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed,
         # weighed here in place (the core divides K and the AMP scale out once per window)
         accumulator.begin_micro_batch(

@@ -188,15 +188,15 @@ def check_gradient_clip_val(
 def check_driven_precision(trainer: pl.Trainer, keyed_by_count: bool) -> None:
     """Refuse a schedule keyed by steps or items under ``precision="16-true"``.
 
-    Such a schedule sets a K per batch, up to the batches of an epoch (a divisor of the batch count where a
-    window ends), and Lightning divides each loss by it before the callback multiplies it back: an fp16
-    loss divided by thousands falls into fp16's subnormal range and loses its digits. bf16 keeps fp32's
+    Such a schedule sets a K per window of up to the batches of an epoch (a divisor of the batch count where
+    the window ends), and Lightning divides each loss by it: an fp16 loss divided by thousands falls into
+    fp16's subnormal range and loses its digits. bf16 keeps fp32's
     range (the division rounds as Lightning's own by a K that is not a power of two does).
     """
     if keyed_by_count and str(trainer.precision) in ("16-true", "16"):
         raise RuntimeError(
             "A schedule keyed by steps or items (`schedule_unit`) cannot be exact under"
-            " `precision='16-true'`: Lightning divides each fp16 loss by a per-batch K of up to the batches"
+            " `precision='16-true'`: Lightning divides each fp16 loss by a per-window K of up to the batches"
             " of an epoch, which can underflow fp16. Use `precision='16-mixed'` or `'bf16-true'`, or"
             " `schedule_unit='epochs'`."
         )

@@ -1,19 +1,18 @@
 """Which ``accumulate_grad_batches`` makes Lightning zero and step exactly where a window starts and ends.
 
-Lightning decides by modulo, batch by batch (2.6, ``loops/optimization/automatic.py`` and
-``loops/training_epoch_loop.py``): it zeroes the gradients before the backward of batch ``n`` when
-``n % K == 0``, steps after it when ``ready % K == 0`` (``ready``: batches fetched this epoch, ``n + 1``)
-or at the epoch's last batch, and divides the loss by ``K``. A schedule that changes K inside an epoch
-cannot keep one K: the window after a change would start where Lightning does not zero and end where it
-does not step.
-Setting, per batch, a K whose modulo gives the wanted answers drives Lightning exactly:
+Lightning decides by modulo (2.6, ``loops/optimization/automatic.py``, ``loops/training_epoch_loop.py``):
+it zeroes the gradients before the backward of batch ``n`` when ``n % K == 0``, steps after it when
+``ready % K == 0`` (``ready``: batches fetched this epoch, ``n + 1``) or at the epoch's last batch, and
+divides the loss by ``K``. A schedule that changes K inside an epoch cannot keep one K for the fit: the
+window after a change would start where Lightning does not zero and end where it does not step.
 
-- a batch that ends its window steps and must not zero: a divisor of ``ready`` that does not divide ``n``;
-- any other batch must not step, and inside a window must not zero: a K dividing neither ``n`` nor ``ready``
-  (a window's first batch is zeroed by the callback itself, whatever Lightning does).
-
-Powers of two are preferred: Lightning's division of the loss by K, which the callback multiplies back, is
-then exact.
+One K per window drives it exactly: a window of ``L`` batches whose last one is fetched as ``ready = e`` needs
+a K that divides ``e`` (the step) and none of ``e - L + 1 .. e - 1`` (no step, and no zeroing, inside the
+window). Any divisor of ``e`` that is at least ``L`` does: the multiple before ``e`` is then at most
+``e - L``. The smallest such power of two is taken where one exists (Lightning's division of the loss, which
+the callback's loss scale undoes at the boundary, is then exact), else the smallest such divisor. A window
+that the epoch's end cuts short still ends there: Lightning steps at the epoch's last batch in any case. The
+window's first batch is zeroed by the callback where Lightning does not.
 """
 
 from __future__ import annotations
@@ -24,41 +23,26 @@ if TYPE_CHECKING:
     from .schedule import AccumulationPlan
 
 
-def lightning_k(batch_idx: int, ready: int, *, ends_window: bool) -> int:
-    """The ``accumulate_grad_batches`` to set for one batch (see the module's docstring).
+def window_lightning_k(first_ready: int, window_k: int) -> int:
+    """The ``accumulate_grad_batches`` for a whole window of ``window_k`` batches (see the module).
 
     Args:
-        batch_idx: The batch's index in the epoch (Lightning's ``batch_idx``).
-        ready: Batches fetched this epoch, this one included (Lightning's ``batch_progress.current.ready``).
-        ends_window: Whether the optimizer must step after this batch.
-
-    Raises:
-        RuntimeError: no K gives the wanted decisions (``ready`` and ``batch_idx`` out of step).
+        first_ready: ``ready`` at the window's first batch (Lightning's ``batch_progress.current.ready``).
+        window_k: The window's K.
 
     Example:
-        >>> batches = [(0, False), (1, False), (2, True), (3, True)]  # windows [0, 1, 2] and [3]
-        >>> [lightning_k(n, n + 1, ends_window=last) for n, last in batches]
-        [2, 4, 3, 4]
+        >>> window_lightning_k(1, 2), window_lightning_k(3, 3), window_lightning_k(6, 3)  # ends at 2, 5, 8
+        (2, 5, 4)
     """
-    if ends_window:
-        if batch_idx == 0 or ready == 1:
-            return 1  # zeroing at the epoch's first batch is what a new window needs anyway
-        power = ready & -ready  # the largest power of two dividing `ready`
-        if power > 1 and batch_idx % power:
-            return power
-        for k in range(2, ready + 1):
-            if ready % k == 0 and batch_idx % k:
-                return k
-    else:
-        k = 2
-        while k <= 2 * (max(batch_idx, ready) + 1):
-            if ready % k and (batch_idx == 0 or batch_idx % k):
-                return k
-            k *= 2
-    raise RuntimeError(
-        f"No `accumulate_grad_batches` makes Lightning {'step' if ends_window else 'accumulate'} at batch"
-        f" {batch_idx} with {ready} batch(es) ready this epoch; the schedule cannot be driven exactly here."
-    )
+    end = first_ready + window_k - 1
+    power = end & -end  # the largest power of two dividing `end`
+    if power >= window_k:
+        smallest = 1 << max(window_k - 1, 0).bit_length()  # the smallest power of two >= window_k
+        return smallest  # divides `end`, since `power` (a larger or equal power of two) does
+    for k in range(window_k, end + 1):
+        if end % k == 0:
+            return k
+    return end  # not reached: `end` divides itself and end >= window_k
 
 
 class ScheduleDriver:
@@ -72,18 +56,18 @@ class ScheduleDriver:
         items: Items of the windows closed so far, over all ranks.
         window_k: K of the open window: the schedule's value at the count reached when it opened.
         batches_in_window: Batches of the open window started so far.
-        lightning_k: The ``accumulate_grad_batches`` set for the current batch (Lightning divides its loss
-            by it; the callback multiplies it back).
+        lightning_k: The ``accumulate_grad_batches`` of the open window (Lightning divides every loss of the
+            window by it: the window's loss scale).
 
     Example:
         >>> from lightning_gradacc.schedule import AccumulationPlan
         >>> driver = ScheduleDriver(AccumulationPlan({0: 2, 1: 3}, schedule_unit="steps"))
         >>> for batch_idx in range(5):
-        ...     _ = driver.batch_start(batch_idx, batch_idx + 1)
+        ...     _ = driver.batch_start(batch_idx + 1)
         ...     if driver.ends_window:
         ...         driver.window_closed(items=0.0)
-        >>> driver.steps, driver.window_k  # windows of 2 and 3 batches
-        (2, 3)
+        >>> driver.steps, driver.window_k, driver.lightning_k  # windows of 2 and 3: batches 0-1 and 2-4
+        (2, 3, 5)
     """
 
     def __init__(self, plan: AccumulationPlan) -> None:
@@ -104,17 +88,17 @@ class ScheduleDriver:
         """Whether the current batch ends its window (the epoch's last batch ends it in any case)."""
         return self.batches_in_window >= self.window_k
 
-    def batch_start(self, batch_idx: int, ready: int) -> bool:
-        """A batch starts: open a window if none is open; choose Lightning's K for it.
+    def batch_start(self, ready: int) -> bool:
+        """A batch starts (``ready``: Lightning's count of batches fetched this epoch, this one included).
 
         Returns:
-            Whether this batch opens a window.
+            Whether this batch opens a window (its K and Lightning's K were chosen).
         """
         opens = self.batches_in_window == 0
         if opens:
             self.window_k = self.plan.for_count(self.count)
+            self.lightning_k = window_lightning_k(ready, self.window_k)
         self.batches_in_window += 1
-        self.lightning_k = lightning_k(batch_idx, ready, ends_window=self.ends_window)
         return opens
 
     def window_closed(self, items: float) -> None:
@@ -152,6 +136,7 @@ class ScheduleDriver:
             "steps": self.steps,
             "items": self.items,
             "window_k": self.window_k,
+            "lightning_k": self.lightning_k,
             "batches_in_window": self.batches_in_window,
         }
 
@@ -160,4 +145,5 @@ class ScheduleDriver:
         self.steps = int(state["steps"])
         self.items = float(state["items"])
         self.window_k = int(state["window_k"])
+        self.lightning_k = int(state["lightning_k"])
         self.batches_in_window = int(state["batches_in_window"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_gradacc import GradientAccumulationCallback
-from lightning_gradacc.window_driver import lightning_k
+from lightning_gradacc.window_driver import window_lightning_k
 from tests import helpers as h
 
 BATCHES = 10  # 40 samples in micro-batches of 4
@@ -98,14 +98,18 @@ def test_the_naive_per_batch_setter_fails_the_same_oracle() -> None:
 
 
 def test_lightning_is_driven_to_every_wanted_decision() -> None:
-    """For every batch index and either wish, Lightning's own tests (zero: n % K == 0, step: ready % K
-    == 0) give what the window needs, and K is a power of two wherever one exists."""
-    for n in range(0, 2000):
-        ready = n + 1
-        k = lightning_k(n, ready, ends_window=True)
-        assert ready % k == 0 and (n == 0 or n % k != 0)
-        k = lightning_k(n, ready, ends_window=False)
-        assert ready % k != 0 and (n == 0 or n % k != 0) and k & (k - 1) == 0
+    """For every window start and length, Lightning's own tests (zero: n % K == 0, step: ready % K == 0)
+    step at the window's last batch and neither step nor zero inside it; K is a power of two wherever one
+    divides the window's end."""
+    for first in range(1, 1500):
+        for length in range(1, 13):
+            k = window_lightning_k(first, length)
+            end = first + length - 1
+            assert end % k == 0  # steps at the window's last batch
+            assert all(ready % k for ready in range(first, end))  # no step inside
+            assert all(n % k for n in range(first, end))  # no zeroing inside (batch n = ready - 1)
+            powers = [p for p in (1 << j for j in range(12)) if p >= length and end % p == 0]
+            assert k == min(powers) if powers else k >= length
 
 
 def test_a_resume_inside_the_first_window_after_a_transition_is_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
