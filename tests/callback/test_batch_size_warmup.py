@@ -313,3 +313,27 @@ def test_a_target_batch_size_per_stage_derives_each_stage_k(recwarn: pytest.Warn
     assert any("10 -> K=3" in str(w.message) for w in recwarn)
     with pytest.raises(ValueError, match="per stage"):
         GradientAccumulationCallback(target_batch_size={0: 4, 2: 12})
+
+
+@pytest.mark.parametrize("scaling", ["mean", "sum", "weighted"])
+def test_a_skipped_window_and_clipping_inside_a_schedule(scaling: str) -> None:
+    """A nan in micro-batch 4 (the first window after the transition, batches 4-6) skips that window only;
+    every other window is clipped to 0.05 as one big batch would be, with Adam (a skip leaves its state)."""
+    schedule = {0: 2, 2: 3}
+    callback = GradientAccumulationCallback(
+        schedule, schedule_unit="steps", scaling=scaling, max_grad_norm=0.05
+    )
+    module = h.RegressionModule(h.regression_data(40), optimizer="adam", lr=0.01, nan_at=[4])
+    with pytest.warns(UserWarning, match="skipped"):
+        h.trainer(callbacks=[callback]).fit(module)
+    windows = schedule_windows(schedule)  # [0,1] [2,3] [4,5,6] [7,8,9]
+    expected = h.regression_reference(
+        windows,
+        optimizer="adam",
+        lr=0.01,
+        skip_windows=[2],
+        max_grad_norm=0.05,
+        sum_of_means=scaling == "sum",
+    )
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    assert (callback.stats.skipped_steps, callback.stats.windows) == (1, 4)

@@ -47,6 +47,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "window_end_clip": {"sharded_reduction": "window_end", "max_grad_norm": 0.05},
     # rank 1's micro-batch 3 is nan: the window's last (of 4): only it is dropped, on both ranks
     "skip_last_micro_batch": {"overflow": "skip_micro_batch", "accumulation_dtype": "float64"},
+    # K by optimizer steps: 2, then 4 (windows of 2 | 4 in epoch 1, 4 | 2 in epoch 2), clipped
+    "step_schedule": {"accumulation_steps": {0: 2, 1: 4}, "schedule_unit": "steps", "max_grad_norm": 0.05},
 }
 NAN_BATCH = {"nan_on_one_rank": 1, "skip_last_micro_batch": 3}  # batch_idx made nan on rank 1
 
@@ -250,7 +252,8 @@ def main(out: Path) -> None:
     scenarios = {**SCENARIOS, **(HSDP_SCENARIOS if STRATEGY == "model_parallel" else {})}
     for name, options in scenarios.items():
         reduce_scatters[0] = all_reduces[0] = 0
-        callback = GradientAccumulationCallback(K, **options)
+        options = dict(options)
+        callback = GradientAccumulationCallback(options.pop("accumulation_steps", K), **options)
         module = ShardedModule(NAN_BATCH.get(name), weighted=name == "weighted", hsdp=name in HSDP_SCENARIOS)
         trainer = sharded_trainer(callback)
         trainer.fit(module)

@@ -104,6 +104,17 @@ def test_sharded_windows_equal_the_big_batch(trained: Path, name: str) -> None:
         assert max(float((expected[n] - _reference(windows, {})[n]).abs().max()) for n in expected) > 1e-3
 
 
+def test_a_step_keyed_schedule_under_sharding_equals_the_big_batch_of_each_window(trained: Path) -> None:
+    """K changes mid-epoch (2, then 4 micro-batches): each window, clipped, is one step on its samples."""
+    full, counts, global_step, _ = torch.load(trained / "step_schedule.pt")
+    per_rank = [torch.load(trained / f"step_schedule-seen-{rank}.pt") for rank in range(2)]
+    bounds = [(0, 2), (2, 6), (6, 10), (10, 12)]  # micro-batch indices over both epochs: 2 | 4 || 4 | 2
+    windows = [[i for seen in per_rank for b in range(*span) for i in seen[b]] for span in bounds]
+    expected = _reference(windows, run.SCENARIOS["step_schedule"])
+    assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
+    assert counts[0] == 4 and global_step == 4
+
+
 def test_a_non_finite_micro_batch_on_one_rank_skips_on_both(trained: Path) -> None:
     full, counts, _, _ = torch.load(trained / "nan_on_one_rank.pt")
     windows = _windows(trained, "nan_on_one_rank")
