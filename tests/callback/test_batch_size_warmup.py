@@ -337,3 +337,19 @@ def test_a_skipped_window_and_clipping_inside_a_schedule(scaling: str) -> None:
     )
     assert h.max_abs_diff(module.net, expected) < 1e-6
     assert (callback.stats.skipped_steps, callback.stats.windows) == (1, 4)
+
+
+@pytest.mark.parametrize("buffers", [False, True])
+def test_a_schedule_under_16_mixed_with_an_overflow(buffers: bool) -> None:
+    """The GradScaler sees each window whole (with buffers: flushed after the window's last micro-batch, which
+    Lightning's K for the window marks), skips the window holding the nan and backs off its scale."""
+    plugin = h.amp_plugin()
+    kwargs = {"accumulation_dtype": "float64"} if buffers else {}
+    callback = GradientAccumulationCallback({0: 2, 2: 3}, schedule_unit="steps", **kwargs)
+    module = h.RegressionModule(h.regression_data(40), nan_at=[5])
+    h.trainer(callbacks=[callback], plugins=[plugin]).fit(module)
+    windows = schedule_windows({0: 2, 2: 3})  # [0,1] [2,3] [4,5,6] [7,8,9]: the nan is in window 2
+    expected = h.regression_reference(windows, skip_windows=[2], fp16_autocast=True)
+    assert h.max_abs_diff(module.net, expected) < 2e-4  # fp16 autocast: micro- vs big-batch rounding
+    assert (callback.stats.non_finite_windows, callback.stats.skipped_steps) == (1, 1)
+    assert plugin.scaler.get_scale() == 2.0**7
