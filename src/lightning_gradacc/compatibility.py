@@ -193,7 +193,7 @@ def check_driven_precision(trainer: pl.Trainer, keyed_by_count: bool) -> None:
     fp16's subnormal range and loses its digits. bf16 keeps fp32's
     range (the division rounds as Lightning's own by a K that is not a power of two does).
     """
-    if keyed_by_count and str(trainer.precision) in ("16-true", "16"):
+    if keyed_by_count and str(trainer.precision) == "16-true":
         raise RuntimeError(
             "A schedule keyed by steps or items (`schedule_unit`) cannot be exact under"
             " `precision='16-true'`: Lightning divides each fp16 loss by a per-window K of up to the batches"

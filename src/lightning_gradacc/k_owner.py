@@ -176,10 +176,8 @@ class KOwner:
         k, effective = self.run.resolve_target(batch_size, trainer.world_size)
         if self.run.target_schedule is not None:  # a size per stage: name the stages that are not multiples
             per_window = batch_size * trainer.world_size
-            off = [f"{size} -> K={-(-size // per_window)}" for size in self.run.target_schedule.values()]
-            uneven = [
-                o for o, size in zip(off, self.run.target_schedule.values(), strict=True) if size % per_window
-            ]
+            sizes = self.run.target_schedule.values()
+            uneven = [f"{size} -> K={-(-size // per_window)}" for size in sizes if size % per_window]
             if uneven:
                 warn(
                     f"`target_batch_size` stages that are not a multiple of micro-batch size {batch_size} x"

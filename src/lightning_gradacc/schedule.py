@@ -149,6 +149,8 @@ class AccumulationPlan:
             >>> AccumulationPlan({0: 2, 2: 3}, schedule_unit="steps").stepping_batches(10, 1)  # 2 2 | 3 3 | 0
             4
         """
+        if self.unit == "items" and items_per_batch is None:
+            raise ValueError("A schedule keyed by items needs the items per micro-batch to count steps.")
         steps, items = 0, 0
         for epoch in range(max(max_epochs, 1)):
             if self.unit == "epochs":
@@ -159,10 +161,6 @@ class AccumulationPlan:
                 continue
             left = batches_per_epoch
             while left > 0:
-                if self.unit == "items" and items_per_batch is None:
-                    raise ValueError(
-                        "A schedule keyed by items needs the items per micro-batch to count steps."
-                    )
                 window = min(self.for_count(steps if self.unit == "steps" else items), left)
                 left -= window
                 items += window * (items_per_batch or 0)

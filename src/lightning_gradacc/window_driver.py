@@ -64,7 +64,7 @@ class ScheduleDriver:
         >>> driver = ScheduleDriver(AccumulationPlan({0: 2, 1: 3}, schedule_unit="steps"))
         >>> for batch_idx in range(5):
         ...     _ = driver.batch_start(batch_idx + 1)
-        ...     if driver.ends_window:
+        ...     if driver.batches_in_window == driver.window_k:  # Lightning steps: the callback closes it
         ...         driver.window_closed(items=0.0)
         >>> driver.steps, driver.window_k, driver.lightning_k  # windows of 2 and 3: batches 0-1 and 2-4
         (2, 3, 5)
@@ -82,11 +82,6 @@ class ScheduleDriver:
     def count(self) -> float:
         """What the schedule's thresholds count, so far."""
         return self.steps if self.plan.unit == "steps" else self.items
-
-    @property
-    def ends_window(self) -> bool:
-        """Whether the current batch ends its window (the epoch's last batch ends it in any case)."""
-        return self.batches_in_window >= self.window_k
 
     def batch_start(self, ready: int) -> bool:
         """A batch starts (``ready``: Lightning's count of batches fetched this epoch, this one included).
