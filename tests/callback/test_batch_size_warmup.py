@@ -8,6 +8,7 @@ data as one batch.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_gradacc import GradientAccumulationCallback
 from lightning_gradacc.window_driver import window_lightning_k
@@ -353,3 +354,29 @@ def test_a_schedule_under_16_mixed_with_an_overflow(buffers: bool) -> None:
     assert h.max_abs_diff(module.net, expected) < 2e-4  # fp16 autocast: micro- vs big-batch rounding
     assert (callback.stats.non_finite_windows, callback.stats.skipped_steps) == (1, 1)
     assert plugin.scaler.get_scale() == 2.0**7
+
+
+class _ValidatesMidWindow:
+    """Validation every 3 batches (inside windows) and `training_step` returning None at batch 5."""
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        return None if batch_idx == 5 else super().training_step(batch, batch_idx)  # type: ignore[misc]
+
+    def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.log("val", h.mse(self.net, *batch))
+
+    def val_dataloader(self):  # type: ignore[no-untyped-def]
+        return torch.utils.data.DataLoader(h.regression_data(8), batch_size=4)
+
+
+@pytest.mark.parametrize("namespace", ["pytorch_lightning", "lightning.pytorch"])
+def test_a_schedule_with_mid_window_validation_and_a_none_step_in_both_namespaces(namespace: str) -> None:
+    """The window holding batch 5 is the big batch of its other micro-batches; validation inside windows
+    changes nothing; the same in both Lightning namespaces."""
+    base = h.RegressionModule if namespace == "pytorch_lightning" else h.LitRegressionModule
+    module = type("Module", (_ValidatesMidWindow, base), {})(h.regression_data(40))
+    schedule = {0: 2, 2: 3}
+    callback = h.accumulation_callback(namespace, schedule, schedule_unit="steps")
+    h.trainer(namespace, callbacks=[callback], val_check_interval=3, limit_val_batches=1).fit(module)
+    windows = [[b for b in w if b != 5] for w in schedule_windows(schedule)]  # [0,1] [2,3] [4,6] [7,8,9]
+    assert h.max_abs_diff(module.net, h.regression_reference(windows)) < 1e-6
