@@ -448,7 +448,7 @@ class GradientAccumulationLogic(_LogicBase):
             if driver.batch_start(internals.batches_ready(trainer)):
                 accumulator.accumulation_steps = driver.window_k
                 accumulator.loss_scale = 1.0 / driver.lightning_k  # what Lightning divides every loss by
-            trainer.accumulate_grad_batches = driver.lightning_k
+            self._k.write(trainer, driver.lightning_k)
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
         if not internals.backward_skipped(trainer):
             if not accumulator.window.empty and lightning_zeroes:

@@ -90,10 +90,14 @@ class KOwner:
         k = self.run.for_epoch(trainer.current_epoch)
         if k is None:  # resolved in `on_train_start`
             return None
+        self.write(trainer, k)
+        return k
+
+    def write(self, trainer: pl.Trainer, k: int) -> None:
+        """Write ``k`` into the Trainer, remembered as this callback's (a later fit accepts it there)."""
         trainer.accumulate_grad_batches = k
         self._applied_k = k
         self._applied_to = weakref.ref(trainer)
-        return k
 
     def stepping_batches(self, trainer: pl.Trainer, *, counts_samples: bool = True) -> int | float:
         """The exact number of optimizer steps of the fit, following the schedule if there is one.

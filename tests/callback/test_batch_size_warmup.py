@@ -380,3 +380,16 @@ def test_a_schedule_with_mid_window_validation_and_a_none_step_in_both_namespace
     h.trainer(namespace, callbacks=[callback], val_check_interval=3, limit_val_batches=1).fit(module)
     windows = [[b for b in w if b != 5] for w in schedule_windows(schedule)]  # [0,1] [2,3] [4,6] [7,8,9]
     assert h.max_abs_diff(module.net, h.regression_reference(windows)) < 1e-6
+
+
+def test_a_second_fit_on_the_same_trainer_goes_on_with_the_schedule() -> None:
+    """The per-window K written into the Trainer is the callback's own: a second `fit` accepts it (it is not
+    taken for a user's `accumulate_grad_batches`) and goes on counting steps."""
+    schedule = {0: 2, 2: 3}
+    callback = GradientAccumulationCallback(schedule, schedule_unit="steps")
+    module = h.RegressionModule(h.regression_data(40))
+    trainer = h.trainer(callbacks=[callback], max_epochs=1)
+    trainer.fit(module)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module)
+    assert h.max_abs_diff(module.net, h.regression_reference(schedule_windows(schedule, epochs=2))) < 1e-6
