@@ -19,7 +19,7 @@ from .measure import (
     peak_memory_in_subprocess,
     syncs_per_micro_batch_and_step,
 )
-from .workloads import MODE_TITLES, MODES, QUICK_SIZES, SIZES, seconds_per_micro_batch
+from .workloads import MODE_TITLES, MODES, OPTIMIZERS, QUICK_SIZES, SIZES, seconds_per_micro_batch
 
 
 def machine(device: str) -> str:
@@ -105,6 +105,31 @@ def syncs(device: str, quick: bool) -> list[str]:
     for mode in ("callback", "weighted", "noise"):
         per_micro_batch, per_step = syncs_per_micro_batch_and_step(mode, size, 4, device)
         lines.append(f"| {MODE_TITLES[mode]} | {per_micro_batch:g} | {per_step:g} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def syncs_by_optimizer(device: str, quick: bool) -> list[str]:
+    """Host reads per optimizer step (skip + clip + normalization) by optimizer kind, logged or not."""
+    size = (QUICK_SIZES if quick else SIZES)["small"]
+    lines = [
+        "| optimizer | unlogged step | logged step |",
+        "|---|---|---|",
+    ]
+    for optimizer in OPTIMIZERS:
+        cells = []
+        for log_every in (1000, 1):
+            _, per_step = syncs_per_micro_batch_and_step(
+                "callback",
+                size,
+                4,
+                device,
+                optimizer=optimizer,
+                log_every_n_steps=log_every,
+                max_grad_norm=1.0,
+            )
+            cells.append(f"{per_step:g}")
+        lines.append(f"| {optimizer} | {cells[0]} | {cells[1]} |")
         print(lines[-1], flush=True)
     return lines
 
@@ -198,6 +223,8 @@ def main() -> None:
         *memory(args.device, args.quick),
         "\n## Host syncs made by the callback (K=4, logging every step)\n",
         *syncs(args.device, args.quick),
+        '\n## Host reads per optimizer step by optimizer (K=4, `max_grad_norm=1.0`, `overflow="skip"`)\n',
+        *syncs_by_optimizer(args.device, args.quick),
         "\n## Operators launched by one boundary (`finalize`, small model, torch.profiler)\n",
         *operators(args.device),
         "\n## Gradient reduction under sharded strategies (2 CPU processes, gloo, 4.2M parameters, K=4)\n",

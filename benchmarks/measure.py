@@ -174,7 +174,16 @@ def count_syncs(calls: list[str], active: Callable[[], bool]) -> Iterator[None]:
             setattr(torch.Tensor, name, original)
 
 
-def syncs_per_micro_batch_and_step(mode: str, size: Size, k: int, device: str) -> tuple[float, float]:
+def syncs_per_micro_batch_and_step(
+    mode: str,
+    size: Size,
+    k: int,
+    device: str,
+    *,
+    optimizer: str = "SGD",
+    log_every_n_steps: int = 1,
+    max_grad_norm: float | None = None,
+) -> tuple[float, float]:
     """Host syncs made inside the callback's hooks, per accumulating micro-batch and per optimizer step.
 
     On CPU a patch counts the tensor methods that force a sync; on CUDA ``set_sync_debug_mode`` reports each
@@ -197,7 +206,8 @@ def syncs_per_micro_batch_and_step(mode: str, size: Size, k: int, device: str) -
             per_batch.append((bool(state["stepping"]), len(calls) - int(state["mark"])))
             state["mark"], state["stepping"] = len(calls), False
 
-    callback = GradientAccumulationCallback(k, **({"scaling": "weighted"} if mode == "weighted" else {}))
+    settings: dict[str, Any] = {"scaling": "weighted"} if mode == "weighted" else {}
+    callback = GradientAccumulationCallback(k, max_grad_norm=max_grad_norm, **settings)
     for hook in (
         "on_train_batch_start",
         "on_before_backward",
@@ -220,26 +230,34 @@ def syncs_per_micro_batch_and_step(mode: str, size: Size, k: int, device: str) -
     else:
         context = count_syncs(calls, lambda: bool(state["inside"]))
     with context:
-        _run_with(callback, Counting(), size, k, device)
+        _run_with(callback, Counting(), size, k, device, optimizer, log_every_n_steps)
     accumulating = [n for stepped, n in per_batch if not stepped]
     stepping = [n for stepped, n in per_batch if stepped]
     return sum(accumulating) / max(len(accumulating), 1), sum(stepping) / max(len(stepping), 1)
 
 
-def _run_with(callback: pl.Callback, counting: pl.Callback, size: Size, k: int, device: str) -> None:
+def _run_with(
+    callback: pl.Callback,
+    counting: pl.Callback,
+    size: Size,
+    k: int,
+    device: str,
+    optimizer: str = "SGD",
+    log_every_n_steps: int = 1,
+) -> None:
     import tempfile
 
     from .workloads import BenchModule, quiet
 
     quiet()
-    module = BenchModule(size, size.data(3 * k))
+    module = BenchModule(size, size.data(3 * k), optimizer)
     pl.Trainer(
         accelerator=device,
         devices=1,
         max_epochs=1,
         callbacks=[callback, counting],
         logger=pl.loggers.CSVLogger(tempfile.mkdtemp()),
-        log_every_n_steps=1,
+        log_every_n_steps=log_every_n_steps,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,

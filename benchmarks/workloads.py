@@ -62,18 +62,28 @@ SIZES = {
 QUICK_SIZES = {"small": Size("tiny", (8, 16, 4), 4)}
 
 
+OPTIMIZERS = {
+    "SGD": lambda params: torch.optim.SGD(params, lr=1e-4, momentum=0.9),
+    "Adam": lambda params: torch.optim.Adam(params, lr=1e-4),
+    "SGD (fused)": lambda params: torch.optim.SGD(params, lr=1e-4, momentum=0.9, fused=True),
+    "Adam (fused)": lambda params: torch.optim.Adam(params, lr=1e-4, fused=True),
+    "AdamW (fused)": lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True),
+}
+
+
 class BenchModule(pl.LightningModule):
-    def __init__(self, size: Size, data: TensorDataset) -> None:
+    def __init__(self, size: Size, data: TensorDataset, optimizer: str = "SGD") -> None:
         super().__init__()
         self.net = size.model()
         self.data, self.batch = data, size.batch
+        self.optimizer = optimizer
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-4, momentum=0.9)
+        return OPTIMIZERS[self.optimizer](self.parameters())
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=self.batch)

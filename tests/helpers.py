@@ -218,10 +218,15 @@ class BatchList:
 
 
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
+    """``"sgd"``, ``"adam"``, ``"adamw"``, or one of them fused (``"adam_fused"``: skips on the device)."""
+    kind, _, fused = name.partition("_")
+    options: dict[str, Any] = {"fused": True} if fused == "fused" else {}
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, **({"momentum": 0.9} if fused else {}), **options)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr, **options)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, **options)
     raise ValueError(name)
 
 
@@ -255,18 +260,21 @@ def token_loss(net: nn.Module, inputs: Tensor, labels: Tensor) -> Tensor:
 
 
 class _Token:
-    def __init__(self, data: Dataset[Any] | None = None, batch_size: int = 2, lr: float = 0.5) -> None:
+    def __init__(
+        self, data: Dataset[Any] | None = None, batch_size: int = 2, lr: float = 0.5, optimizer: str = "sgd"
+    ) -> None:
         super().__init__()
         self.net = token_net()
         self.data = data if data is not None else token_data()
         self.batch_size = batch_size
         self.lr = lr
+        self.optimizer_name = optimizer
 
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
         return token_loss(self.net, *batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.net.parameters(), lr=self.lr)
+        return make_optimizer(self.optimizer_name, self.net.parameters(), self.lr)
 
     def train_dataloader(self) -> DataLoader[Any]:
         return ordered_loader(self, self.data, self.batch_size)

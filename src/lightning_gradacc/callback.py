@@ -29,6 +29,7 @@ from typing_extensions import override
 from . import compatibility as compat
 from . import lightning_internals as internals
 from .core import GradAccumulator
+from .core.device_step import disarm, skips_on_device
 from .core.validation import AccumulationSettings
 from .counters import check_item_count_fn, count_micro_batch
 from .k_owner import KOwner
@@ -220,6 +221,8 @@ class GradientAccumulationLogic(_LogicBase):
         self._lr_scaling = LRScaling(lr_scaling)
         self._paused_clipping: internals.PausedClipping | None = None  # Lightning's, until the batch ends
         self._skips = SkipWarnings()
+        self._grads_read_before_step = True  # by a hook after this callback's: set at train start
+        self._stepped_on_device = False  # a step of this fit was decided on the device
         self._warned_no_items = False
         self._log_dir: str | None = None  # the last fit's logger's, for `summary()`
 
@@ -354,6 +357,8 @@ class GradientAccumulationLogic(_LogicBase):
         accumulator = self._accumulator
         assert accumulator is not None
         self._lr_scaling.attach(trainer.optimizers, lambda: accumulator.accumulation_steps, first_k)
+        self._grads_read_before_step = compat.grads_read_before_step(self._api, trainer, pl_module, self)
+        self._stepped_on_device = False
         self._go_first(trainer)  # again: another callback may have moved itself in its own `setup`
 
     def _go_first(self, trainer: pl.Trainer) -> None:
@@ -515,9 +520,22 @@ class GradientAccumulationLogic(_LogicBase):
             internals.init_scaler_scale(scaler)  # none yet if no loss was scaled in this fit (a resume)
             accumulator.flush_to_grad()  # the scaler unscales and checks `.grad`
             scaler.unscale_(optimizer)
+        elif scaler is not None and current.backward_ran and not internals.lightning_unscales(optimizer):
+            # a fused optimizer: Lightning leaves the AMP scale in, which the norm and clipping must not see;
+            # the scaler's step then only skips on its `found_inf` (`grad_scale` is None once unscaled)
+            scaler.unscale_(optimizer)
         # Logged at this batch's end: the statistics then come along in the step's one sync.
         logs = self.log_stats and internals.logs_this_step(trainer)
-        stepped = accumulator.finalize(reevaluation=current.finalized, read_statistics=logs)
+        on_device = scaler is None and self.settings.overflow != "raise" and skips_on_device(optimizer)
+        stepped = accumulator.finalize(
+            reevaluation=current.finalized,
+            read_statistics=logs,
+            on_device=on_device,
+            fold_multiplier=on_device and not self._grads_read_before_step,
+        )
+        if accumulator.device_step is not None:  # a fused optimizer skips (or takes) it on the device
+            accumulator.device_step.arm(optimizer)
+            self._stepped_on_device = True
         if self._driver is not None and not current.finalized:  # items: the window's, over ranks
             self._driver.window_closed(accumulator.last_window_items if self.plan.unit == "items" else 0.0)
         current.finalized = True
@@ -551,6 +569,14 @@ class GradientAccumulationLogic(_LogicBase):
             # into `callback_metrics` without a logger too: `ddp_spawn` returns those to the launcher
             logger = bool(trainer.loggers)
             pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1, logger=logger)
+            if self._stepped_on_device:
+                self._warn_of_device_skips(trainer)
+
+    def _warn_of_device_skips(self, trainer: pl.Trainer) -> None:
+        """Warn of steps a fused optimizer skipped on the device, counted at this read of the statistics."""
+        assert self._accumulator is not None
+        skipped = self._accumulator.stats.skipped_steps  # read already: no second sync
+        self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)
 
     def metrics(self) -> dict[str, float]:
         """The logged scalars under ``grad_accum/``: ``LOGGED_STATISTICS``, ``window_loss``, ``lr_factor``.
@@ -573,6 +599,8 @@ class GradientAccumulationLogic(_LogicBase):
     ) -> None:
         self._resume_clipping()
         self._lr_scaling.detach()
+        for optimizer in trainer.optimizers:  # a device step armed for a step that never came
+            disarm(optimizer)
         if self._accumulator is not None:  # its open window stays for a checkpoint saved after this hook
             self._accumulator.remove_hooks()  # (`OnExceptionCheckpoint`); the next `fit` discards it
         # With sync off FSDP keeps a window's gradients unsharded inside itself, where neither `zero_grad`
@@ -591,6 +619,8 @@ class GradientAccumulationLogic(_LogicBase):
             self._accumulator.reset(set_grads_to_none=True)
         if self._accumulator is not None:
             self._accumulator.remove_hooks()
+            if self._stepped_on_device:  # the last steps' skips, and invalid counts held on the device
+                self._warn_of_device_skips(trainer)
         if self._driver is not None:
             self._driver.window_abandoned()
         self._lr_scaling.detach()

@@ -331,3 +331,20 @@ def warn_noise_scale_unmeasurable(
             f"`noise_scale=True` needs at least 2 micro-batches per window, but K={k} on {world_size}"
             " rank(s) gives 1: no estimate is made while K stays at 1."
         )
+
+
+def grads_read_before_step(
+    api: LightningNamespace, trainer: pl.Trainer, pl_module: pl.LightningModule, callback: object
+) -> bool:
+    """Whether anything may read ``.grad`` between ``callback``'s ``on_before_optimizer_step`` and the step.
+
+    The module's ``on_before_optimizer_step`` (e.g. ``grad_norm`` logging), another callback's, and
+    Lightning's clipping (``gradient_clip_val``, ``configure_gradient_clipping``) run after the callback's
+    hook: they must see the final gradient, so a fused step is then not handed the window's multiplier.
+    """
+    hooks = ("on_before_optimizer_step", "configure_gradient_clipping")
+    if trainer.gradient_clip_val or any(api.is_overridden(hook, pl_module) for hook in hooks):
+        return True
+    base = getattr(api.callback, "on_before_optimizer_step")  # noqa: B009 (a class held as `type`)
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    return any(type(cb).on_before_optimizer_step is not base for cb in callbacks if cb is not callback)

@@ -136,6 +136,16 @@ def grad_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
     return getattr(trainer.precision_plugin, "scaler", None)
 
 
+def lightning_unscales(optimizer: Any) -> bool:
+    """Whether Lightning's ``MixedPrecision`` unscales the gradients before ``on_before_optimizer_step``.
+
+    ``MixedPrecision.optimizer_step`` (``plugins/precision/amp.py``) skips ``scaler.unscale_`` for an
+    optimizer that unscales inside its step (``_optimizer_handles_unscaling`` of ``lightning_fabric``: torch's
+    fused ones, ``_step_supports_amp_scaling``): the hook would see gradients carrying the AMP scale.
+    """
+    return not getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
 def init_scaler_scale(scaler: torch.amp.GradScaler) -> None:
     """Create the scaler's scale tensor if no loss was scaled yet, so that ``unscale_`` works.
 

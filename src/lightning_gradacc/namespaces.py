@@ -35,6 +35,7 @@ class LightningNamespace:
     """
 
     package: str
+    callback: type
     gradient_accumulation_scheduler: type
     ddp_strategy: type
     single_device_strategy: type
@@ -70,6 +71,7 @@ def namespace(package: str) -> LightningNamespace:
 
     return LightningNamespace(
         package=package,
+        callback=load("callbacks", "Callback"),
         gradient_accumulation_scheduler=load("callbacks", "GradientAccumulationScheduler"),
         ddp_strategy=load("strategies", "DDPStrategy"),
         single_device_strategy=load("strategies", "SingleDeviceStrategy"),

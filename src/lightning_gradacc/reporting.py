@@ -58,12 +58,23 @@ class SkipWarnings:
         self.seen = 0
         self._warned = 0  # the skips counted at the last warning
 
-    def update(self, skipped: int, global_step: int, warn: Callable[[str], Any]) -> None:
-        """Look at the run's ``skipped`` steps after a step that was skipped; warn if it is time to."""
+    def update(
+        self, skipped: int, global_step: int, warn: Callable[[str], Any], *, late: bool = False
+    ) -> None:
+        """Look at the run's ``skipped`` steps after a step that was skipped; warn if it is time to.
+
+        ``late``: the count was read after steps decided on the device, so the skips happened by
+        ``global_step``, not at it.
+        """
         if skipped > self.seen and (skipped >= 2 * self._warned or skipped == 1):
             self._warned = max(skipped, 1)
+            where = (
+                f"by global step {global_step} (a fused optimizer skipped it on the device)"
+                if late
+                else f"at global step {global_step}"
+            )
             warn(
-                f"Non-finite gradient at global step {global_step}: the optimizer step was skipped"
+                f"Non-finite gradient {where}: the optimizer step was skipped"
                 f" ({skipped} skipped so far). Parameters and optimizer state are unchanged; `global_step`"
                 " and step-interval LR schedulers still advance."
             )

@@ -190,3 +190,17 @@ def test_ledger_deferred_last_values_are_computed_once_when_read() -> None:
     ledger.fold({"window_loss": deferred("fifth", 7.0)})
     ledger.load_state_dict({"window_loss": 0.5})
     assert ledger.values()["window_loss"] == 0.5 and "fifth" not in calls
+
+
+def test_a_held_count_check_raises_at_the_next_sync_after_folding() -> None:
+    ledger = Ledger(torch.float64)
+    ledger.fold({"skipped_steps": torch.tensor(1.0)})
+    ledger.hold_check(torch.tensor(0.0), lambda count: f"{count} bad")
+    assert not ledger.fresh
+    assert ledger.values()["skipped_steps"] == 1.0  # nothing held was bad
+    ledger.fold({"skipped_steps": torch.tensor(1.0)})
+    ledger.hold_check(torch.tensor(2.0), lambda count: f"{count} bad (first)")
+    ledger.hold_check(torch.tensor(1.0), lambda count: f"{count} bad (second)")
+    with pytest.raises(ValueError, match=r"^3 bad \(first\)$"):
+        ledger.values()
+    assert ledger.fresh and ledger.values()["skipped_steps"] == 2.0  # folded before it raised

@@ -190,6 +190,26 @@ def test_ddp_under_16_mixed_matches_the_big_batch_under_the_same_autocast() -> N
     assert float(trainer.callback_metrics["grad_accum/skipped_steps"]) == 0
 
 
+def test_ddp_with_a_fused_optimizer_skips_a_window_non_finite_on_one_rank_on_both() -> None:
+    """The decision on the device (no host read): the all-reduced nan skips the fused step on every rank."""
+    data = h.regression_data(40)  # 5 micro-batches of 4 per rank; K=2: windows 2, 2, 1
+    module = h.RegressionModule(data, optimizer="sgd_fused", nan_at=[1], nan_rank=1)
+    trainer = ddp_trainer(GradientAccumulationCallback(2, max_grad_norm=0.5), log_every_n_steps=1)
+    trainer.fit(module)
+    expected = h.big_batch_reference(
+        h.regression_net(),
+        data,
+        4 * WORLD,
+        h.windows(5, 2),
+        h.mse,
+        optimizer="sgd_fused",
+        max_grad_norm=0.5,
+        skip_windows=[0],
+    )
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    assert float(trainer.callback_metrics["grad_accum/skipped_steps"]) == 1
+
+
 class EstimateRecorder(h.RegressionModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         self.estimate = self.trainer.estimated_stepping_batches

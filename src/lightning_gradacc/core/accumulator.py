@@ -28,6 +28,7 @@ from .accounts import RunAccounts
 from .boundary import Decision, Norms, apply_, decide, normalization
 from .buffers import GradBuffers
 from .checkpoint import check_open_window, restore_open_window, save_open_window
+from .device_step import DeviceStep, disarm, skips_on_device
 from .errors import GradientOverflowError
 from .gradient_scale import GradientScale
 from .kernels import GroupKey, combine_norms, non_finite_names
@@ -247,6 +248,7 @@ class GradAccumulator:
         )
         self._pending: _MicroBatch | None = None
         self._window = self._new_window()
+        self.device_step: DeviceStep | None = None  # the last `finalize(on_device=True)`'s step tensors
 
     # ------------------------------------------------------------------------------------- parameters
 
@@ -550,7 +552,14 @@ class GradAccumulator:
         """Whether the step's decision needs a host sync anyway (then every scalar comes along in it)."""
         return self._scale.scaler is None and self.settings.overflow != "ignore"
 
-    def finalize(self, *, reevaluation: bool = False, read_statistics: bool = False) -> bool:
+    def finalize(
+        self,
+        *,
+        reevaluation: bool = False,
+        read_statistics: bool = False,
+        on_device: bool = False,
+        fold_multiplier: bool = False,
+    ) -> bool:
         """Turn the window's summed gradients into the final gradient, in place; close the window.
 
         Five steps: the window's sums, their measurement (norms and totals over ranks: one host copy when a
@@ -563,26 +572,54 @@ class GradAccumulator:
             read_statistics: The statistics will be read before the next window closes (e.g. logged):
                 the window loss is then computed now and copied in this step's one sync, instead of in
                 a second sync when it is read.
+            on_device: Decide on the device, with no host read (for an optimizer that skips a step itself:
+                torch's fused ones, see :mod:`~lightning_gradacc.core.device_step`). The window's verdict
+                is then :attr:`device_step`'s ``found_inf`` (1.0 for a window the host path would skip:
+                not finite, no items, or an invalid item count), which the step must be given. An invalid
+                count found on the device raises at the next read of the statistics instead of here. Not
+                with ``overflow="raise"`` (it raises at the step) or a ``grad_scaler`` (it skips itself).
+            fold_multiplier: With ``on_device``, leave the gradients as summed and hand the multiplier to the
+                step as :attr:`device_step`'s ``grad_scale`` (its reciprocal) instead of a separate multiply
+                pass. Only where nothing reads ``.grad`` before the step, and only for one multiplier on
+                gradients in ``.grad`` (not with ``clip_value``, ``clip_scope="parameter"`` or buffers,
+                which are multiplied in their own dtype first): else they are multiplied as usual.
 
         Returns:
             Whether the optimizer should step. ``False`` for a skipped non-finite window and for an empty
             one (no micro-batch recorded, or ``"weighted"`` with 0 items in total); their gradients have
-            been set to ``None``, so torch optimizers leave parameters and state unchanged.
+            been set to ``None``, so torch optimizers leave parameters and state unchanged. With
+            ``on_device`` ``True`` unless no micro-batch was recorded: the step skips itself.
 
         Raises:
             GradientOverflowError: ``overflow="raise"`` and the gradient is not finite.
             ValueError: an item count of the window, on this rank or another, was invalid.
         """
         window = self._window
+        self.device_step = None
+        if on_device:
+            self._check_on_device()
         if window.empty:
             return self._close_empty(reevaluation)
         try:
+            on_host = self._decides_on_host and not on_device
             sums = self._sums(window)
-            measured, norms = self._measure(window, sums, read_statistics)
+            measured, norms = self._measure(window, sums, read_statistics, on_host)
             factor, decision = self._decide(window, measured, norms)
-            if not self._account(window, measured, decision, factor, sums, reevaluation):
+            verdict = self._account(window, measured, decision, factor, sums, reevaluation, on_device)
+            if verdict is False:
                 self._tracked.set_grads_to_none()
                 return False
+            if verdict is not True:  # a device flag: the step skips itself
+                multiplier = decision.multiplier
+                if (
+                    fold_multiplier
+                    and not isinstance(multiplier, list)
+                    and not window.sums_in_buffers
+                    and self.settings.clip_value is None
+                ):  # the step divides by it: no multiply pass here
+                    self.device_step = DeviceStep(verdict, self._reciprocal(multiplier))
+                    return True
+                self.device_step = DeviceStep(verdict)
             apply_(sums.grouped, decision, clip_value=self.settings.clip_value, foreach=self.foreach)
             if window.sums_in_buffers:
                 assert self._buffers is not None
@@ -609,11 +646,13 @@ class GradAccumulator:
         grouped, shard_groups = self._tracked.local_layout(sources, in_buffers=window.sums_in_buffers)
         return _Sums(sources, grouped, shard_groups)
 
-    def _measure(self, window: Window, sums: _Sums, read_statistics: bool) -> tuple[Measurement, Norms]:
+    def _measure(
+        self, window: Window, sums: _Sums, read_statistics: bool, on_host: bool
+    ) -> tuple[Measurement, Norms]:
         """Norms and totals of the window over ranks, as host numbers or device scalars.
 
-        On the host after the step's one sync when a decision needs it (everything else the step needs
-        comes along in it); device scalars otherwise.
+        On the host after the step's one sync when the decision is made there (everything else the step
+        needs comes along in it); device scalars otherwise.
         """
         settings, tracked = self.settings, self._tracked
         measured = self._window_totals(window, read_statistics)
@@ -627,7 +666,7 @@ class GradAccumulator:
         if measured.noise is not None and settings.norm_type != 2.0:  # the noise scale needs the L2 norm
             l2 = combine_norms(tracked.tensor_norms(grads, 2.0, groups), 2.0, device=self.device)
             measured.l2_norm = l2
-        if not self._decides_on_host:
+        if not on_host:
             per_tensor = settings.clip_scope == "parameter" and settings.max_grad_norm is not None
             norms = Norms.on_device(
                 each, settings.norm_type, each_largest, device=self.device, keep_per_tensor=per_tensor
@@ -707,8 +746,9 @@ class GradAccumulator:
         factor: Scalar,
         sums: _Sums,
         reevaluation: bool,
-    ) -> bool:
-        """Fold the window into the statistics and say whether the optimizer steps.
+        on_device: bool,
+    ) -> bool | Tensor:
+        """Fold the window into the statistics and say whether the optimizer steps (see :meth:`_keeps_step`).
 
         Raises:
             ValueError: an item count of the window was invalid (on every rank: the counts are summed).
@@ -744,7 +784,7 @@ class GradAccumulator:
         )
         world_size, _ = self._world.resolve()
         self._weighting.rebase(measured.items, window.micro_batches * world_size)
-        return self._keeps_step(window, live, has_items, measured.bad_items, sums, reevaluation)
+        return self._keeps_step(window, live, has_items, measured.bad_items, sums, reevaluation, on_device)
 
     def _noise_statistics(
         self, window: Window, measured: Measurement, decision: Decision, factor: Scalar
@@ -766,9 +806,23 @@ class GradAccumulator:
         )
 
     def _keeps_step(
-        self, window: Window, live: Flag, has_items: Flag, bad_items: Scalar, sums: _Sums, reevaluation: bool
-    ) -> bool:
-        """Whether the optimizer steps (a host answer); raises for invalid counts or ``overflow="raise"``."""
+        self,
+        window: Window,
+        live: Flag,
+        has_items: Flag,
+        bad_items: Scalar,
+        sums: _Sums,
+        reevaluation: bool,
+        on_device: bool,
+    ) -> bool | Tensor:
+        """Whether the optimizer steps; raises for invalid counts or ``overflow="raise"``.
+
+        A host answer, or, ``on_device``, a float32 ``found_inf`` for the step (1.0: skip).
+        """
+        if on_device:
+            return self._found_inf(
+                window, live if self.settings.overflow != "ignore" else True, has_items, bad_items
+            )
         flags = (live if self._decides_on_host else True, has_items, bad_items)
         if any(isinstance(flag, Tensor) for flag in flags):  # counts summed over ranks, overflow ignored
             keeps_step, has_any, bad = self._accounts.ledger.sync(*(self._scalar(flag) for flag in flags))
@@ -781,6 +835,49 @@ class GradAccumulator:
             named = [(n, t) for n, t in zip(self._tracked.names, sums.sources, strict=True) if t is not None]
             raise GradientOverflowError(step, non_finite_names(named))
         return bool(keeps_step and has_any)
+
+    def _found_inf(self, window: Window, live: Flag, has_items: Flag, bad_items: Scalar) -> Tensor:
+        """The window's verdict as a device ``found_inf``; an invalid count found on the device is held.
+
+        A count known bad on the host raises now (on every rank alike: the counts were summed over ranks);
+        one found on the device skips the step and raises at the next read of the statistics.
+        """
+        if not isinstance(bad_items, Tensor) and bad_items:
+            raise ValueError(self._invalid_count_message(window, int(bad_items)))
+        keep = both(live, has_items)
+        if isinstance(bad_items, Tensor):
+            keep = both(keep, bad_items == 0)
+            step = self._accounts.windows - 1
+            self._accounts.ledger.hold_check(bad_items, lambda count: self._held_count_message(step, count))
+        if not isinstance(keep, Tensor):  # a fill kernel: no host-to-device copy
+            return torch.full((), 0.0 if keep else 1.0, dtype=torch.float32, device=self.device)
+        return (~keep).to(torch.float32)
+
+    def _reciprocal(self, multiplier: Scalar) -> Tensor | None:
+        """``1 / multiplier`` as a float32 device scalar (``None`` for 1), a fused step's ``grad_scale``."""
+        if isinstance(multiplier, Tensor):
+            return (1.0 / multiplier).to(torch.float32)
+        if multiplier == 1.0:
+            return None
+        return torch.full((), 1.0 / multiplier, dtype=torch.float32, device=self.device)
+
+    def _check_on_device(self) -> None:
+        if self.settings.overflow == "raise" or self._scale.scaler is not None:
+            scaler = self._scale.scaler is not None
+            given = "a GradScaler" if scaler else f"overflow={self.settings.overflow!r}"
+            raise ValueError(
+                f"`finalize(on_device=True)` cannot decide on the device with {given}: `overflow='raise'`"
+                " raises at the step, and a GradScaler skips the step itself."
+            )
+
+    @staticmethod
+    def _held_count_message(first_step: int, count: int) -> str:
+        return (
+            f"{count} invalid item count(s) in the windows since optimizer step {first_step} (the"
+            " statistics' last read), found on the device; the steps with them were skipped. An item count"
+            " must be a finite number >= 0 (a micro-batch with 0 items weighs nothing); check"
+            " `item_count_fn` or the `items` given."
+        )
 
     def _scalar(self, value: Scalar) -> Tensor:
         """A scalar on the ledger device, created by a fill kernel (no host-to-device copy)."""
@@ -803,15 +900,37 @@ class GradAccumulator:
             " >= 0 (a micro-batch with 0 items weighs nothing); check `item_count_fn` or the `items` given."
         )
 
-    def step(self, optimizer: torch.optim.Optimizer, *, force: bool = False) -> bool:
+    def step(
+        self, optimizer: torch.optim.Optimizer, *, force: bool = False, on_device: bool | None = None
+    ) -> bool:
         """Finalize and step ``optimizer`` when the window is full (or ``force``), then zero gradients.
 
+        Args:
+            optimizer: The optimizer to step.
+            force: Finalize a window that is not full (e.g. the last of an epoch).
+            on_device: Decide on the device and let the optimizer skip a non-finite window itself, with no
+                host sync and no separate multiply pass (``finalize(on_device=True, fold_multiplier=True)``).
+                ``None``: for torch's fused optimizers (``fused=True``), without a ``grad_scaler`` and
+                unless ``overflow="raise"``.
+
         Returns:
-            Whether the optimizer stepped.
+            Whether the optimizer stepped. On the device: whether it was asked to (it skips a non-finite
+            window itself; :attr:`stats` counts it).
         """
         if not (self.window_full or (force and not self._window.empty)):
             return False
         scaler = self._scale.scaler
+        if on_device is None:
+            on_device = scaler is None and self.settings.overflow != "raise" and skips_on_device(optimizer)
+        if on_device:
+            stepped = self.finalize(on_device=True, fold_multiplier=True)
+            if stepped:
+                disarm(optimizer)  # a step interrupted before: its tensors are stale
+                if self.device_step is not None:
+                    self.device_step.arm(optimizer)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return stepped
         if scaler is not None:
             self.flush_to_grad()  # the scaler unscales and checks `.grad`
             scaler.unscale_(optimizer)

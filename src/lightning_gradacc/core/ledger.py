@@ -90,6 +90,8 @@ class Ledger:
         # windows not folded yet: (host values, names of device values, their stacked row)
         self._pending: list[tuple[dict[str, float], tuple[str, ...], Tensor]] = []
         self._deferred: dict[str, Deferred] = {}  # the newest value of a "last" field, not computed yet
+        # invalid item counts found on the device, with the error to raise once they are copied
+        self._held: tuple[Tensor, Callable[[int], str]] | None = None
 
     def fold(self, window: Mapping[str, Scalar | Deferred], *, count: bool = True) -> None:
         """Fold one window's values in; ``max_grad_norm_seen`` follows ``last_grad_norm``.
@@ -135,10 +137,26 @@ class Ledger:
         for name, value in values.items():
             self._host[name] = _fold(_FOLD[name], self._host[name], value)
 
+    def hold_check(self, invalid: Tensor, message: Callable[[int], str]) -> None:
+        """Keep a device count of invalid item counts until the next sync, which raises if it is not 0.
+
+        For a step decided on the device: its invalid counts skipped it there, and the error waits for the
+        next read of the statistics (the same step on every rank: the counts were summed over ranks).
+
+        Args:
+            invalid: The window's count of invalid item counts (a device scalar).
+            message: The error's text for a total count (the first held window's is kept).
+        """
+        invalid = invalid.reshape(()).to(self.dtype)
+        if self._held is None:
+            self._held = (invalid, message)
+        else:
+            self._held = (self._held[0] + invalid, self._held[1])
+
     @property
     def fresh(self) -> bool:
         """Whether every window is folded on the host (reading costs no sync)."""
-        return not self._pending
+        return not self._pending and self._held is None
 
     def sync(self, *extra: Tensor) -> list[Any]:
         """Copy the pending rows and ``extra`` device scalars or vectors to the host in one sync; fold.
@@ -147,7 +165,14 @@ class Ledger:
 
         Returns:
             The values of ``extra``: a float for a scalar, a list of floats for a vector.
+
+        Raises:
+            ValueError: A held count of invalid item counts (:meth:`hold_check`) is not 0; the windows are
+                folded first.
         """
+        held, self._held = self._held, None
+        if held is not None:
+            extra = (*extra, held[0])
         rows = [row for _, _, row in self._pending if row.numel()]
         scalars = [t for t in extra if t.dim() == 0]
         vectors = [t for t in extra if t.dim() != 0]
@@ -173,6 +198,10 @@ class Ledger:
             offset += row.numel()
             self._fold_host({**host, **dict(zip(names, device_values, strict=True))})
         self._pending.clear()
+        if held is not None:
+            invalid = int(values.pop())
+            if invalid:
+                raise ValueError(held[1](invalid))
         return values
 
     def values(self, *, deferred: bool = True) -> dict[str, float]:
@@ -180,7 +209,7 @@ class Ledger:
 
         ``deferred=False`` leaves deferred values uncomputed (their entries are then stale).
         """
-        if self._pending:
+        if not self.fresh:
             self.sync()
         if not deferred:
             return dict(self._host)
@@ -207,3 +236,4 @@ class Ledger:
         self._host = loaded
         self._pending.clear()
         self._deferred.clear()
+        self._held = None
