@@ -49,8 +49,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "skip_last_micro_batch": {"overflow": "skip_micro_batch", "accumulation_dtype": "float64"},
     # K by optimizer steps: 2, then 4 (windows of 2 | 4 in epoch 1, 4 | 2 in epoch 2), clipped
     "step_schedule": {"accumulation_steps": {0: 2, 1: 4}, "schedule_unit": "steps", "max_grad_norm": 0.05},
+    # a fused Adam (DTensor has no fused SGD): the verdict and multiplier reach its step on the device
+    "fused_nan_clip": {"max_grad_norm": 0.05},
 }
-NAN_BATCH = {"nan_on_one_rank": 1, "skip_last_micro_batch": 3}  # batch_idx made nan on rank 1
+NAN_BATCH = {
+    "nan_on_one_rank": 1,
+    "skip_last_micro_batch": 3,
+    "fused_nan_clip": 1,
+}  # batch_idx made nan on rank 1
 
 # ModelParallelStrategy only: `fully_shard` on an HSDP mesh of 2 replicas of 1 shard each
 HSDP_SCENARIOS: dict[str, dict[str, Any]] = {
@@ -83,9 +89,12 @@ def weighted_loss(prediction: torch.Tensor, target: torch.Tensor, index: torch.T
 
 
 class ShardedModule(pl.LightningModule):
-    def __init__(self, nan_batch: int | None, weighted: bool, hsdp: bool = False) -> None:
+    def __init__(
+        self, nan_batch: int | None, weighted: bool, hsdp: bool = False, fused: bool = False
+    ) -> None:
         super().__init__()
         self.net = net()
+        self.fused = fused
         self.nan_batch = nan_batch
         self.weighted = weighted
         self.hsdp = hsdp
@@ -128,6 +137,8 @@ class ShardedModule(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.fused:
+            return torch.optim.Adam(self.parameters(), lr=0.05, fused=True)
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
     def train_dataloader(self) -> DataLoader:
@@ -254,7 +265,12 @@ def main(out: Path) -> None:
         reduce_scatters[0] = all_reduces[0] = 0
         options = dict(options)
         callback = GradientAccumulationCallback(options.pop("accumulation_steps", K), **options)
-        module = ShardedModule(NAN_BATCH.get(name), weighted=name == "weighted", hsdp=name in HSDP_SCENARIOS)
+        module = ShardedModule(
+            NAN_BATCH.get(name),
+            weighted=name == "weighted",
+            hsdp=name in HSDP_SCENARIOS,
+            fused=name.startswith("fused"),
+        )
         trainer = sharded_trainer(callback)
         trainer.fit(module)
         full = full_parameters(module)

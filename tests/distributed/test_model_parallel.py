@@ -66,9 +66,13 @@ def _windows(out: Path, name: str, drop: int | None = None) -> list[list[int]]:
     return windows
 
 
-def _reference(windows: list[list[int]], options: dict[str, Any], skip: tuple[int, ...] = ()) -> dict:
+def _reference(
+    windows: list[list[int]], options: dict[str, Any], skip: tuple[int, ...] = (), adam: bool = False
+) -> dict:
     model = run.net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.Adam(model.parameters(), lr=0.05) if adam else torch.optim.SGD(model.parameters(), lr=0.5)
+    )
     _, x, y = run.data().tensors
     for index, rows in enumerate(windows):
         optimizer.zero_grad()
@@ -121,6 +125,17 @@ def test_a_non_finite_micro_batch_on_one_rank_skips_on_both(trained: Path) -> No
     expected = _reference(windows, {}, skip=(0, 2))  # rank 1's batch 1 of each epoch was nan
     assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
     assert counts[:3] == (4, 2, 2)
+
+
+def test_a_fused_optimizer_skips_the_non_finite_windows_and_clips_the_others_on_the_device(
+    trained: Path,
+) -> None:
+    full, counts, _, _ = torch.load(trained / "fused_nan_clip.pt")
+    windows = _windows(trained, "fused_nan_clip")
+    # rank 1's batch 1 of each epoch was nan
+    expected = _reference(windows, {"max_grad_norm": 0.05}, skip=(0, 2), adam=True)
+    assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
+    assert counts == (4, 2, 2, 2)  # windows, skipped, non-finite, clipped
 
 
 def test_a_non_finite_last_micro_batch_is_dropped_alone(trained: Path) -> None:
