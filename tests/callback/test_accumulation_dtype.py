@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import pytorch_lightning as pl
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
 
@@ -50,8 +50,10 @@ class Bf16Module(pl.LightningModule):
         self.live = LiveGradients()
         self.grad_after_backward: list[bool] = []
 
-    def on_fit_start(self) -> None:  # before the callback builds its accumulator (`on_train_start`): this
-        self.live.watch(list(self.parameters()))  # hook runs first, and sees each gradient as autograd left it
+    def on_fit_start(self) -> None:
+        # before the callback builds its accumulator (`on_train_start`): this hook runs first, and sees
+        # each gradient as autograd left it
+        self.live.watch(list(self.parameters()))
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         x, y = batch

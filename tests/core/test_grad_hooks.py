@@ -305,4 +305,3 @@ def test_a_window_saved_in_its_middle_resumes_exactly() -> None:
     for a, b in zip(expected, nets[1].parameters(), strict=True):
         assert torch.equal(a, b.grad)  # type: ignore[arg-type]
     second.remove_hooks()
-

@@ -40,7 +40,7 @@ from .buffers import GradBuffers
 
 
 class _TakeHook:
-    """A parameter's post-accumulate-grad hook; holds its owner weakly, so a dropped owner's hooks do nothing."""
+    """A parameter's post-accumulate-grad hook, holding its owner weakly (a dropped owner's do nothing)."""
 
     __slots__ = ("index", "owner")
 
