@@ -142,7 +142,7 @@ class GradBuffers:
         """
         param = self.params[index]
         grad = param.grad
-        if grad is None:
+        if grad is None or grad.is_sparse:  # sparse: left to `absorb`, which handles it as before
             return
         if grad.requires_grad:  # a backward with create_graph=True: the buffer stays out of the graph
             grad = grad.detach()

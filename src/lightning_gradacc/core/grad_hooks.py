@@ -6,7 +6,9 @@ A post-accumulate-grad hook on each parameter (``Tensor.register_post_accumulate
 gradient into its buffer the moment ``AccumulateGrad`` has put it into ``.grad``, and sets ``.grad`` to
 ``None``: the peak is the buffers plus one parameter's gradient in flight (as Megatron's and DeepSpeed's
 fp32 ``main_grad``). The window's sum is bitwise the same: per parameter the same copy, then the same
-``add_``, in the same order.
+``add_``, in the same order. (One exception: a parameter whose ``AccumulateGrad`` runs several times in
+one backward, as under re-entrant activation checkpointing, has each piece added in the buffer's dtype
+instead of first summed in ``.grad``'s: a smaller rounding error, not the same bits.)
 
 Where the hook runs. ``AccumulateGrad::apply`` accumulates the incoming gradient into ``.grad``, then calls
 the parameter's post-accumulate-grad hooks, and returns; the engine then runs the node's post hooks, among
