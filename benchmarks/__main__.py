@@ -1,4 +1,7 @@
-"""``python -m benchmarks [--device cuda] [--quick] [--out FILE]``: measure, then write a markdown report."""
+"""``python -m benchmarks [--device cuda] [--quick] [--only SECTION ...] [--out FILE]``: measure, report.
+
+The report is a markdown file; ``--only`` measures some sections (e.g. ``--only gradient-memory``).
+"""
 
 from __future__ import annotations
 
@@ -83,17 +86,44 @@ def memory(device: str, quick: bool) -> list[str]:
     key, k = ("small", 4) if quick else ("big", 8)
     modes = ("builtin", "buffers") if quick else ("builtin", "callback", "weighted", "buffers")  # smoke: 2
     peaks = {mode: peak_memory_in_subprocess(mode, key, k, device, quick) for mode in modes}
-    base, params, _ = peaks["builtin"]
+    base, params, _, _ = peaks["builtin"]
     lines = [
         "| mode | peak memory during training | peak over the built-in, per trainable parameter"
         " | held by the accumulator (`buffer_bytes`) per parameter |",
         "|---|---|---|---|",
     ]
     for mode in modes:
-        peak, _, held = peaks[mode]
+        peak, _, held, _ = peaks[mode]
         extra = (peak - base) / params
         lines.append(
             f"| {MODE_TITLES[mode]} | {peak / 2**20:,.1f} MiB | {extra:+.2f} B | {held / params:.2f} B |"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
+def gradient_memory(device: str, quick: bool) -> list[str]:
+    """The peak above the start of training per bf16 parameter (``bf16-true``, plain SGD, K=4).
+
+    Lightning's built-in, fp32 buffers filled after the backward, and filled inside it.
+    """
+    modes = ("builtin", "buffers_after", "buffers")
+    peaks = {
+        mode: peak_memory_in_subprocess(mode, "bf16", 4, device, quick, precision="bf16-true")
+        for mode in modes
+    }
+    above = {mode: peak - start for mode, (peak, _, _, start) in peaks.items()}
+    params = peaks["builtin"][1]
+    lines = [
+        "| mode | peak above the start of training | per parameter | over the built-in, per parameter"
+        " | buffers (`buffer_bytes`) per parameter |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in modes:
+        title = 'callback `accumulation_dtype="float32"`, inside the backward' if mode == "buffers" else None
+        lines.append(
+            f"| {title or MODE_TITLES[mode]} | {above[mode] / 2**20:,.1f} MiB | {above[mode] / params:.2f} B"
+            f" | {(above[mode] - above['builtin']) / params:+.2f} B | {peaks[mode][2] / params:.2f} B |"
         )
         print(lines[-1], flush=True)
     return lines
@@ -202,6 +232,9 @@ def sharded(quick: bool) -> list[str]:
     return lines
 
 
+SECTIONS = ("throughput", "boundary", "memory", "gradient-memory", "syncs", "operators", "sharded")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -210,26 +243,56 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=None, help="markdown file (default benchmarks/results-DEVICE.md)"
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=SECTIONS,
+        default=SECTIONS,
+        help="measure these sections only (e.g. `--only gradient-memory`)",
+    )
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
     torch.set_num_threads(max(1, psutil.cpu_count(logical=False) or 1))
-    sections = [
-        f"# Benchmarks ({args.device})\n\nMachine: {machine(args.device)}. Best of {repeats} repeat(s).\n",
-        "## Time per micro-batch, as a ratio to Lightning's built-in\n",
-        *throughput(args.device, args.quick, repeats),
-        "\n## The boundary pass (overflow check, scaling, norm, clipping) against its foreach limit\n",
-        *boundary(args.device, args.quick, max(repeats, 5)),
-        f"\n## Memory ({'tiny model, K=4' if args.quick else 'big model, K=8'}, a fresh process each)\n",
-        *memory(args.device, args.quick),
-        "\n## Host syncs made by the callback (K=4, logging every step)\n",
-        *syncs(args.device, args.quick),
-        '\n## Host reads per optimizer step by optimizer (K=4, `max_grad_norm=1.0`, `overflow="skip"`)\n',
-        *syncs_by_optimizer(args.device, args.quick),
-        "\n## Operators launched by one boundary (`finalize`, small model, torch.profiler)\n",
-        *operators(args.device),
-        "\n## Gradient reduction under sharded strategies (2 CPU processes, gloo, 4.2M parameters, K=4)\n",
-        *sharded(args.quick),
-    ]
+    device, quick = args.device, args.quick
+    model = "tiny model" if quick else "33.6M parameters"
+    measured = {
+        "throughput": lambda: [
+            "## Time per micro-batch, as a ratio to Lightning's built-in\n",
+            *throughput(device, quick, repeats),
+        ],
+        "boundary": lambda: [
+            "\n## The boundary pass (overflow check, scaling, norm, clipping) against its foreach limit\n",
+            *boundary(device, quick, max(repeats, 5)),
+        ],
+        "memory": lambda: [
+            f"\n## Memory ({'tiny model, K=4' if quick else 'big model, K=8'}, a fresh process each)\n",
+            *memory(device, quick),
+        ],
+        "gradient-memory": lambda: [
+            f"\n## Peak gradient memory, bf16 parameters ({model}, `bf16-true`, SGD, K=4, a fresh process"
+            " each)\n",
+            *gradient_memory(device, quick),
+        ],
+        "syncs": lambda: [
+            "\n## Host syncs made by the callback (K=4, logging every step)\n",
+            *syncs(device, quick),
+            '\n## Host reads per optimizer step by optimizer (K=4, `max_grad_norm=1.0`, `overflow="skip"`)\n',
+            *syncs_by_optimizer(device, quick),
+        ],
+        "operators": lambda: [
+            "\n## Operators launched by one boundary (`finalize`, small model, torch.profiler)\n",
+            *operators(device),
+        ],
+        "sharded": lambda: [
+            "\n## Gradient reduction under sharded strategies"
+            " (2 CPU processes, gloo, 4.2M parameters, K=4)\n",
+            *sharded(quick),
+        ],
+    }
+    sections = [f"# Benchmarks ({device})\n\nMachine: {machine(device)}. Best of {repeats} repeat(s).\n"]
+    for name in SECTIONS:
+        if name in args.only:
+            sections.extend(measured[name]())
     out = args.out or Path(__file__).parent / f"results-{args.device}{'-quick' if args.quick else ''}.md"
     out.write_text("\n".join(sections) + "\n")
     print(f"wrote {out}")

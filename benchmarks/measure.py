@@ -100,6 +100,7 @@ class PeakProbe(pl.Callback):
         self.device = torch.device(device)
         self.tracker = PeakMemory(self.device)
         self.peak = 0
+        self.start = 0  # in use when training starts (the model, its data, the framework)
 
     def _read(self) -> None:
         self.peak = max(self.peak, self.tracker.read())
@@ -110,6 +111,7 @@ class PeakProbe(pl.Callback):
         elif sys.platform.startswith("linux"):
             with open("/proc/self/clear_refs", "w") as clear_refs:  # resets VmHWM (this process only)
                 clear_refs.write("5")
+        self.start = self.tracker.read()
 
     def on_before_optimizer_step(self, *args: Any) -> None:
         self._read()
@@ -122,29 +124,38 @@ class PeakProbe(pl.Callback):
 
 
 def peak_memory_in_subprocess(
-    mode: str, size_key: str, k: int, device: str, quick: bool
-) -> tuple[int, int, int]:
-    """(peak bytes, trainable parameters, buffer bytes) of one training run in a fresh process.
+    mode: str, size_key: str, k: int, device: str, quick: bool, precision: str = "32-true"
+) -> tuple[int, int, int, int]:
+    """(peak bytes, trainable parameters, buffer bytes, bytes at train start) of a run in a fresh process.
 
     On CPU, glibc's malloc keeps freed memory for reuse, so a resident-set peak would hide new allocations;
     ``MALLOC_MMAP_THRESHOLD_`` makes every allocation above 128 KiB its own mapping, returned when freed.
+    ``precision="bf16-true"`` takes the size from ``BF16_SIZES`` and trains with plain SGD.
     """
-    command = [sys.executable, "-m", "benchmarks.measure", mode, size_key, str(k), device, str(int(quick))]
+    command = [
+        *(sys.executable, "-m", "benchmarks.measure", mode, size_key, str(k), device, str(int(quick))),
+        precision,
+    ]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     result = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
-    peak, params, held = result.stdout.split()[-3:]
-    return int(peak), int(params), int(held)
+    peak, params, held, start = result.stdout.split()[-4:]
+    return int(peak), int(params), int(held), int(start)
 
 
-def _memory_main(mode: str, size_key: str, k: str, device: str, quick: str) -> None:
-    from .workloads import QUICK_SIZES, SIZES
+def _memory_main(mode: str, size_key: str, k: str, device: str, quick: str, precision: str) -> None:
+    from .workloads import BF16_SIZES, QUICK_BF16_SIZES, QUICK_SIZES, SIZES
 
-    size: Size = (QUICK_SIZES if quick == "1" else SIZES)[size_key]
+    if precision == "bf16-true":
+        size: Size = (QUICK_BF16_SIZES if quick == "1" else BF16_SIZES)[size_key]
+    else:
+        size = (QUICK_SIZES if quick == "1" else SIZES)[size_key]
     probe = PeakProbe(device)
-    _, module = lightning_run(mode, size, int(k), windows=2, device=device, extra=[probe])
+    _, module = lightning_run(
+        mode, size, int(k), windows=2, device=device, extra=[probe], precision=precision
+    )
     callbacks = [c for c in module.trainer.callbacks if isinstance(c, GradientAccumulationCallback)]
     held = callbacks[0].stats.buffer_bytes if callbacks else 0
-    print(probe.peak, sum(p.numel() for p in module.parameters()), held)
+    print(probe.peak, sum(p.numel() for p in module.parameters()), held, probe.start)
 
 
 # -------------------------------------------------------------------------------------------- syncs
@@ -288,7 +299,7 @@ def _cuda_sync_warnings(calls: list[str], active: Callable[[], bool]) -> Iterato
 
 
 if __name__ == "__main__":
-    _memory_main(*sys.argv[1:6])
+    _memory_main(*sys.argv[1:7])
 
 
 def operators_per_boundary(settings: dict[str, Any], k: int, device: str) -> tuple[int, int]:

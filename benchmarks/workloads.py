@@ -22,6 +22,7 @@ MODE_TITLES = {
     "schedule": 'callback `{0: K}` by `schedule_unit="steps"` (driven per batch)',
     "weighted": 'callback `scaling="weighted"`',
     "buffers": 'callback `accumulation_dtype="float32"`',
+    "buffers_after": 'callback `accumulation_dtype="float32"`, buffers filled after the backward',
     "noise": "callback `noise_scale=True`",
     "noise4": "callback `noise_scale=True, noise_scale_every=4`",
     "plain": "plain PyTorch loop",
@@ -60,10 +61,14 @@ SIZES = {
     "big": Size("big (25M parameters)", (1024, 4096, 4096, 1024), 8),
 }
 QUICK_SIZES = {"small": Size("tiny", (8, 16, 4), 4)}
+# trained with precision="bf16-true" by the gradient-memory benchmark (SGD without momentum: no state)
+BF16_SIZES = {"bf16": Size("bf16 (33.6M parameters)", (2048, 4096, 4096, 2048), 8)}
+QUICK_BF16_SIZES = {"bf16": Size("tiny bf16", (8, 16, 4), 4)}
 
 
 OPTIMIZERS = {
     "SGD": lambda params: torch.optim.SGD(params, lr=1e-4, momentum=0.9),
+    "SGD without momentum": lambda params: torch.optim.SGD(params, lr=1e-4),  # no state (memory runs)
     "Adam": lambda params: torch.optim.Adam(params, lr=1e-4),
     "SGD (fused)": lambda params: torch.optim.SGD(params, lr=1e-4, momentum=0.9, fused=True),
     "Adam (fused)": lambda params: torch.optim.Adam(params, lr=1e-4, fused=True),
@@ -126,12 +131,16 @@ def accumulation_callbacks(mode: str, k: int) -> list[pl.Callback]:
     kwargs: dict[str, Any] = {
         "weighted": {"scaling": "weighted"},
         "buffers": {"accumulation_dtype": "float32"},
+        "buffers_after": {"accumulation_dtype": "float32"},
         "noise": {"noise_scale": True},
         "noise4": {"noise_scale": True, "noise_scale_every": 4},
     }.get(mode, {})
     if mode == "schedule":  # the same windows as K, through the per-batch driving of a step-keyed schedule
         return [GradientAccumulationCallback({0: k}, schedule_unit="steps")]
-    return [GradientAccumulationCallback(k, **kwargs)]
+    callback = GradientAccumulationCallback(k, **kwargs)
+    if mode == "buffers_after":  # the path kept where hooks cannot take gradients inside the backward
+        callback._accumulate_in_backward = False
+    return [callback]
 
 
 def quiet() -> None:
@@ -141,12 +150,22 @@ def quiet() -> None:
 
 
 def lightning_run(
-    mode: str, size: Size, k: int, windows: int, device: str, extra: list[pl.Callback] | None = None
+    mode: str,
+    size: Size,
+    k: int,
+    windows: int,
+    device: str,
+    extra: list[pl.Callback] | None = None,
+    precision: str = "32-true",
 ) -> tuple[float, BenchModule]:
-    """Seconds per micro-batch of ``Trainer.fit`` over ``windows + 1`` windows (the first is warm-up)."""
+    """Seconds per micro-batch of ``Trainer.fit`` over ``windows + 1`` windows (the first is warm-up).
+
+    ``precision="bf16-true"`` trains bf16 parameters with plain SGD (no optimizer state).
+    """
     quiet()
     micro_batches = k * (windows + 1)
-    module = BenchModule(size, size.data(micro_batches))
+    bf16 = precision == "bf16-true"
+    module = BenchModule(size, size.data(micro_batches), "SGD without momentum" if bf16 else "SGD")
     timer = MicroBatchTimer(skip=k, device=device)
     trainer = pl.Trainer(
         accelerator=device,
@@ -154,6 +173,7 @@ def lightning_run(
         max_epochs=1,
         accumulate_grad_batches=k if mode == "builtin" else 1,
         callbacks=[*(extra or []), *accumulation_callbacks(mode, k), timer],  # probes see hooks first
+        precision=precision,  # type: ignore[arg-type]
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

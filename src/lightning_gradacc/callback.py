@@ -225,6 +225,8 @@ class GradientAccumulationLogic(_LogicBase):
         self._stepped_on_device = False  # a step of this fit was decided on the device
         self._warned_no_items = False
         self._log_dir: str | None = None  # the last fit's logger's, for `summary()`
+        # buffers filled inside the backward where the core can (False: after it; benchmarks compare both)
+        self._accumulate_in_backward = True
 
     # ------------------------------------------------------------------------------------ reporting
 
@@ -385,6 +387,7 @@ class GradientAccumulationLogic(_LogicBase):
             grad_scaler=self._scaler,
             fsdp_module=sharded,
             reduce_gradients=reduce_gradients,
+            accumulate_in_backward=self._accumulate_in_backward and self._sync.gradients_in_backward,
         )
         # Lightning divides every loss by K (a driven schedule: the window's own, restored from a checkpoint
         # taken inside one, else set when the next window opens)

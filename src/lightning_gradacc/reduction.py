@@ -6,6 +6,12 @@ window's last backward, after the core flushed the accumulation buffers into ``.
 all-reduce carries the whole window. With a per-micro-batch mode (``clip_mode="micro_batch"``,
 ``overflow="skip_micro_batch"``) no backward syncs through DDP, so that each micro-batch's own gradient is
 checked and clipped; the core all-reduces the buffers at the window's end instead.
+
+Accumulation buffers may take each gradient inside the backward (the core's ``accumulate_in_backward``),
+except under DDP with ``find_unused_parameters=True`` or ``static_graph=True``: DDP's reducer then marks a
+parameter as used in a ``no_sync()`` backward only if its ``.grad`` holds a gradient after its
+``AccumulateGrad``, and a parameter never marked, used in no backward of the window but an earlier one,
+would be left out of the synchronized backward's all-reduce (its flushed sum not averaged over the ranks).
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ class WindowReduction:
         ddp = model if isinstance(model, DistributedDataParallel) else None
         # the model whose gradient sync is off for the fit
         self.ddp_without_sync = ddp if per_micro_batch and world_size > 1 else None
+        # whether buffers may take gradients inside the backward (DDP's unused-parameter marks need `.grad`)
+        self.gradients_in_backward = ddp is None or not (
+            getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False)
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -79,6 +79,40 @@ def test_ddp_with_buffers_matches_big_batch_with_one_gradient_all_reduce_per_ste
     assert nbytes == 3 * 4 * sum(p.numel() for p in h.regression_net().parameters())
 
 
+class BranchModule(h.RegressionModule):
+    """A parameter used only by the first micro-batch of each window of 2, with a gradient per rank."""
+
+    def __init__(self, data: Any) -> None:
+        super().__init__(data)
+        self.extra = torch.nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx % 2 == 0:
+            loss = loss + (self.extra * batch[0].mean()).pow(2)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_ddp_find_unused_parameters_with_buffers_averages_a_parameter_unused_by_the_last_backward() -> None:
+    """With `find_unused_parameters=True` DDP marks a parameter as used in a `no_sync()` backward only when
+    its `.grad` holds a gradient: the buffers then take it after the backward, not inside (where `.grad`
+    would be gone before DDP looks), so the synchronized backward still averages `extra` over the ranks."""
+    data = h.regression_data(32)  # 4 micro-batches of 4 per rank; K=2
+
+    def fitted(**kwargs: Any) -> BranchModule:
+        module = BranchModule(data)
+        strategy = h.SPAWN["pytorch_lightning"](find_unused_parameters=True)
+        ddp_trainer(GradientAccumulationCallback(2, **kwargs), strategy=strategy, logger=False).fit(module)
+        return module
+
+    in_grad, buffered = fitted(), fitted(accumulation_dtype="float64")
+    assert float(in_grad.extra) != 1.0
+    assert h.max_abs_diff(buffered, in_grad) < 1e-6
+
+
 def test_ddp_skip_micro_batch_is_decided_the_same_on_every_rank() -> None:
     data = h.regression_data(40)  # windows of micro-batches 0-1, 2-3, 4
     module = h.RegressionModule(data, nan_at=[2], nan_rank=0)  # only rank 0 sees nan, in window 1

@@ -30,6 +30,7 @@ from .buffers import GradBuffers
 from .checkpoint import check_open_window, restore_open_window, save_open_window
 from .device_step import DeviceStep, disarm, skips_on_device
 from .errors import GradientOverflowError
+from .grad_hooks import BufferHooks
 from .gradient_scale import GradientScale
 from .kernels import GroupKey, combine_norms, non_finite_names
 from .measurement import Measurement, mean_loss
@@ -100,7 +101,9 @@ class GradAccumulator:
         foreach: As in ``torch.nn.utils.clip_grad_norm_``: ``None`` uses fused ``torch._foreach_*`` kernels
             where supported and loops elsewhere, ``True`` raises where unsupported, ``False`` loops.
         accumulation_dtype: Accumulate in buffers of this dtype (e.g. ``"float32"`` for bf16 parameters)
-            instead of ``.grad``; costs exactly the buffers' memory and one fused pass per micro-batch.
+            instead of ``.grad``; costs exactly the buffers' memory and one pass per micro-batch. Each
+            gradient is added into its buffer inside the backward (``accumulate_in_backward``), so that
+            ``.grad`` is ``None`` between a micro-batch's backward and the step.
         clip_mode: ``"step"`` clips the window's final gradient; ``"micro_batch"`` clips each
             micro-batch's own gradient to ``max_grad_norm`` before it is added (needs buffers).
         grad_scaler: A ``torch.amp.GradScaler`` that scales every loss before backward, is asked to
@@ -128,6 +131,18 @@ class GradAccumulator:
             need so that the window's last micro-batch is checked and clipped on its own too. Needs
             ``accumulation_dtype``; costs one all-reduce of the buffers per step (not overlapped with the
             backward) and one small host sync to learn which parameters hold a gradient on some rank.
+        accumulate_in_backward: With ``accumulation_dtype``, add each parameter's gradient into its buffer
+            inside the backward, as soon as autograd has accumulated it (a post-accumulate-grad hook; see
+            :mod:`lightning_gradacc.core.grad_hooks`), and release ``.grad``: the peak holds the buffers and
+            one parameter's gradient, instead of the buffers and the micro-batch's whole gradient. The sum
+            is bitwise the same. Used for the backwards between :meth:`begin_micro_batch` (or
+            :meth:`begin_backward`) and :meth:`record` into which buffers take gradients; not with the
+            per-micro-batch checks (``overflow="skip_micro_batch"``, ``clip_mode="micro_batch"``: they need
+            the micro-batch's whole gradient first) nor with sharded parameters (FSDP's gradients arrive by
+            reduce-scatter), where the gradient is moved after the backward. ``False``: always after the
+            backward, e.g. for code that reads a micro-batch's ``.grad`` before :meth:`record`, or under
+            DDP with ``find_unused_parameters=True`` or ``static_graph=True``, whose reducer marks a
+            parameter as used in a ``no_sync()`` backward only when ``.grad`` holds a gradient.
 
     Example:
         A complete loop with 10 micro-batches and K=4: windows of 4, 4 and a partial window of 2, each
@@ -173,6 +188,7 @@ class GradAccumulator:
         settings: AccumulationSettings | None = None,
         fsdp_module: torch.nn.Module | None = None,
         reduce_gradients: bool = False,
+        accumulate_in_backward: bool = True,
     ) -> None:
         self._accumulation_steps = check_positive_int("accumulation_steps", accumulation_steps)
         given = dict(
@@ -215,6 +231,8 @@ class GradAccumulator:
             else None
         )
         checks_each = self._intake is not None and self._intake.checks
+        self._accumulate_in_backward = bool(accumulate_in_backward)
+        self._grad_hooks: BufferHooks | None = None  # made by `_watch_backward`, where they can be used
         if dtype is not None and not checks_each and all(param.dtype == dtype for param in tracked.params):
             warnings.warn(
                 f"`accumulation_dtype={dtype}` changes nothing: the parameters are already {dtype}"
@@ -261,6 +279,33 @@ class GradAccumulator:
         if self._buffers is not None:
             self._buffers.retrack(self._tracked.named)
         self._noise.follow(self.parameters)
+        self._watch_backward()
+
+    @property
+    def accumulates_in_backward(self) -> bool:
+        """Whether buffers take each gradient inside the backward (see ``accumulate_in_backward``)."""
+        return (
+            self._accumulate_in_backward
+            and self._buffers is not None
+            and not (self._intake is not None and self._intake.checks)
+            and not self._tracked.sharded
+        )
+
+    def _watch_backward(self) -> None:
+        """Hook the parameters that take their gradient inside the backward, or unhook them all."""
+        if not self.accumulates_in_backward:
+            if self._grad_hooks is not None:
+                self._grad_hooks.remove()
+            return
+        assert self._buffers is not None
+        if self._grad_hooks is None:
+            self._grad_hooks = BufferHooks(self._buffers)
+        self._grad_hooks.watch()
+
+    def _arm_hooks(self, armed: bool) -> None:
+        """Let the hooks take gradients (a micro-batch's backward into the buffers) or not."""
+        if self._grad_hooks is not None:
+            self._grad_hooks.armed = armed
 
     @property
     def parameters(self) -> list[Tensor]:
@@ -272,6 +317,8 @@ class GradAccumulator:
     def _new_window(self) -> Window:
         if self._buffers is not None:
             self._buffers.discard()
+            self._arm_hooks(False)
+            self._watch_backward()  # a parameter unfrozen since the last window is hooked now
         # the noise scale hooks only the windows it measures
         measured = self._accounts.windows % self.settings.noise_scale_every == 0
         self._noise.open_window(measured, self.parameters)
@@ -387,13 +434,16 @@ class GradAccumulator:
         return self.weigh(items).weight
 
     def begin_backward(self) -> None:
-        """Say that a micro-batch's backward starts (``noise_scale=True``; :meth:`begin_micro_batch` does).
+        """Say that a micro-batch's backward starts (:meth:`begin_micro_batch` does it for you).
 
-        Needed when you call ``loss.backward()`` and :meth:`record` yourself: gradients of other passes
-        since the last record (``torch.autograd.grad`` for a gradient penalty) are then not taken for this
-        micro-batch's.
+        When you call ``loss.backward()`` and :meth:`record` yourself, call it before the backward: with
+        ``noise_scale=True`` gradients of other passes since the last record (``torch.autograd.grad`` for a
+        gradient penalty) are then not taken for this micro-batch's, and with buffers each gradient goes
+        into its buffer inside the backward (``accumulate_in_backward``) until :meth:`record`. Without it
+        the micro-batch's gradient waits in ``.grad`` and :meth:`record` moves it (the same sum).
         """
         self._noise.begin_backward()
+        self._arm_hooks(self._window.new_gradients_to_buffers)
 
     def begin_micro_batch(
         self,
@@ -438,7 +488,7 @@ class GradAccumulator:
         last = self._window.micro_batches + 1 >= self._accumulation_steps if last is None else last
         self._pending = _MicroBatch(count, recorded, last)
         if last and self._flushes_before_last_backward:
-            self.flush_to_grad()
+            self.flush_to_grad()  # and the hooks stay off: DDP reads this backward's `.grad`
         return to_backward
 
     def end_micro_batch(self, *, reevaluation: bool = False) -> None:
@@ -510,6 +560,7 @@ class GradAccumulator:
             reevaluation: The same micro-batch evaluated again for the same step (an optimizer such as
                 LBFGS calls its closure several times): not counted in ``total_micro_batches``.
         """
+        self._arm_hooks(False)  # what the hooks took is in the buffers; what they did not, `.grad` holds
         window = self._window
         count = items if isinstance(items, ItemCount) else self.weigh(items)
         window.tally.note(count.problem, count.check)
@@ -534,6 +585,7 @@ class GradAccumulator:
         if self._buffers is not None and self._window.flush():
             self._average_over_ranks()
             self._buffers.write_to_grads()
+        self._arm_hooks(False)  # the sum is in `.grad` now: the next gradients add to it there
 
     def _average_over_ranks(self) -> None:
         """``reduce_gradients``: the window's buffered sums become their mean over ranks (at its end)."""
@@ -956,8 +1008,15 @@ class GradAccumulator:
             self._tracked.set_grads_to_none()
 
     def remove_hooks(self) -> None:
-        """Remove the gradient hook of ``noise_scale=True`` (call it before replacing the accumulator)."""
+        """Remove the gradient hooks (``noise_scale=True``, ``accumulate_in_backward``).
+
+        Call it when the accumulator is replaced or training ends: the hooks of a dropped accumulator do
+        nothing, but stay on the parameters until it is garbage-collected. A window opened afterwards
+        hooks the parameters again.
+        """
         self._noise.remove_hooks()
+        if self._grad_hooks is not None:
+            self._grad_hooks.remove()
 
     # -------------------------------------------------------------------------------------- reporting
 

@@ -3,8 +3,10 @@
 Low-precision parameters accumulate gradients in their own dtype, so the rounding error of the sum grows
 with the number of micro-batches, and bf16 drops a contribution entirely once the running sum is about
 256 times larger (the reason DeepSpeed keeps fp32 gradient buffers). Here each micro-batch's gradient is
-added into a buffer of the wider dtype right after its backward and ``.grad`` is released, so memory
-grows by exactly the buffers; the final gradient is written back to ``.grad`` once per window.
+added into a buffer of the wider dtype and ``.grad`` is released: parameter by parameter inside the
+backward (:meth:`GradBuffers.take`, called by :mod:`~lightning_gradacc.core.grad_hooks`), or all at once
+after it (:meth:`GradBuffers.absorb`); either way in the same order, with the same result. The final
+gradient is written back to ``.grad`` once per window.
 """
 
 from __future__ import annotations
@@ -122,6 +124,37 @@ class GradBuffers:
             self._copy(copy_to, copy_from)
         for i in indices:
             self.params[i].grad = None
+
+    def take(self, index: int) -> None:
+        """Add parameter ``index``'s ``.grad`` into its buffer and release ``.grad`` (nothing if it has none).
+
+        The one-parameter :meth:`absorb` (without a check or clip), for a post-accumulate-grad hook: the
+        same copy or ``add_``, so a window summed this way is bitwise the one :meth:`absorb` gives.
+
+        Example:
+            >>> weight = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+            >>> buffers = GradBuffers([("weight", weight)], torch.float32)
+            >>> for _ in range(2):
+            ...     weight.grad = torch.full((2,), 0.5, dtype=torch.bfloat16)
+            ...     buffers.take(0)
+            >>> weight.grad, buffers.window()[0]
+            (None, tensor([1., 1.]))
+        """
+        param = self.params[index]
+        grad = param.grad
+        if grad is None or grad.is_sparse:  # sparse: left to `absorb`, which handles it as before
+            return
+        if grad.requires_grad:  # a backward with create_graph=True: the buffer stays out of the graph
+            grad = grad.detach()
+        buffer = self._buffers[index]
+        if buffer is None:
+            buffer = self._buffers[index] = torch.empty_like(grad, dtype=self.dtype)
+        if self._holds[index]:
+            buffer.add_(grad)
+        else:
+            buffer.copy_(grad)
+            self._holds[index] = True
+        param.grad = None
 
     def _add(self, targets: list[Tensor], grads: list[Tensor]) -> None:
         if self.foreach is False:
