@@ -62,7 +62,7 @@ class _Batch:
     """What the callback knows of the current micro-batch: ``on_train_batch_start`` starts a fresh one."""
 
     items: Any = None  # its item count (a number or a tensor); None: unknown
-    label: str = ""  # what `items` is, for the core's messages
+    label: str = "the batch size"  # what `items` is, for the core's messages (a batch size, unless told)
     error: str | None = None  # why `items` is unknown, raised at the boundary (on every rank together)
     backward_ran: bool = False  # False: `training_step` returned None
     recorded: bool = False  # recorded in the window, the batch not ended: a save now is mid-batch
@@ -463,7 +463,7 @@ class GradientAccumulationLogic(_LogicBase):
         weighted = self.settings.scaling == "weighted"
         if self.item_count_fn is None and not weighted:  # the count feeds the statistics only
             size = first_tensor_length(batch)  # Lightning's inference of common batches, quickly
-            if size is not None:  # a count the core takes as it is: no label needed
+            if size is not None:  # an int >= 0, which the core takes as it is: no message will name it
                 current.items = size
                 return
         counted = count_micro_batch(
