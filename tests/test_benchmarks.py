@@ -1,4 +1,4 @@
-"""One tiny run of ``python -m benchmarks --quick``: the benchmark code keeps working (no timing checked)."""
+"""Tiny runs of ``python -m benchmarks --quick`` and ``benchmarks.hook_cost``: the code keeps working."""
 
 from __future__ import annotations
 
@@ -21,3 +21,16 @@ def test_benchmarks_run_tiny_and_write_a_report(tmp_path: Path) -> None:
     assert "nan" not in report.lower()
     sync_rows = [line for line in report.splitlines() if line.startswith("| callback")][-3:]
     assert all(line.split("|")[2].strip() == "0" for line in sync_rows)  # no sync while accumulating
+
+
+def test_hook_cost_runs_tiny() -> None:
+    command = [sys.executable, "-m", "benchmarks.hook_cost", "--quick", "--ks", "1", "4"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for heading in (
+        "K=1: time per micro-batch",
+        "K=4: µs per micro-batch inside each hook",
+        "_call_callback_hooks",
+    ):
+        assert heading in result.stdout
+    assert "nan" not in result.stdout.lower()

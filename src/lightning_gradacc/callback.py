@@ -31,7 +31,7 @@ from . import lightning_internals as internals
 from .core import GradAccumulator
 from .core.device_step import disarm, skips_on_device
 from .core.validation import AccumulationSettings
-from .counters import check_item_count_fn, count_micro_batch
+from .counters import check_item_count_fn, count_micro_batch, first_tensor_length
 from .k_owner import KOwner
 from .lr_scaling import LRScaling
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
@@ -63,7 +63,7 @@ class _Batch:
     """What the callback knows of the current micro-batch: ``on_train_batch_start`` starts a fresh one."""
 
     items: Any = None  # its item count (a number or a tensor); None: unknown
-    label: str = ""  # what `items` is, for the core's messages
+    label: str = "the batch size"  # what `items` is, for the core's messages (a batch size, unless told)
     error: str | None = None  # why `items` is unknown, raised at the boundary (on every rank together)
     backward_ran: bool = False  # False: `training_step` returned None
     recorded: bool = False  # recorded in the window, the batch not ended: a save now is mid-batch
@@ -216,6 +216,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._scaler: torch.amp.GradScaler | None = None  # the fit's, set in `setup`
         self._signature: tuple[tuple[int, int], ...] = ()  # of the parameter groups the accumulator tracks
         self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
+        self._asks_last = False  # whether a backward must know that it ends the window (set at train start)
         self._batch = _Batch()
         self._driver: ScheduleDriver | None = None  # the windows of a schedule of steps or items, per fit
         self._lr_scaling = LRScaling(lr_scaling)
@@ -399,6 +400,8 @@ class GradientAccumulationLogic(_LogicBase):
             accumulator.remove_hooks()  # it will never be used: its noise-scale hooks must not stay
             raise
         self._accumulator = accumulator
+        # FSDP reducing at the window's end, or the core flushing its buffers for DDP or a GradScaler
+        self._asks_last = self._sync.fsdp.defers or accumulator.uses_last
         self._skips.seen = accumulator.stats.skipped_steps
 
     @override
@@ -466,6 +469,11 @@ class GradientAccumulationLogic(_LogicBase):
                 # from the dataloader, which skips every hook): it must not start from the last one's.
                 accumulator.reset(set_grads_to_none=True)
         weighted = self.settings.scaling == "weighted"
+        if self.item_count_fn is None and not weighted:  # the count feeds the statistics only
+            size = first_tensor_length(batch)  # Lightning's inference of common batches, quickly
+            if size is not None:  # an int >= 0, which the core takes as it is: no message will name it
+                current.items = size
+                return
         counted = count_micro_batch(
             batch, batch_idx, self.item_count_fn, weighted, self._api.extract_batch_size
         )
@@ -478,16 +486,14 @@ class GradientAccumulationLogic(_LogicBase):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         accumulator, current = self._accumulator, self._batch
         assert accumulator is not None
-        fsdp = self._sync.fsdp
-        # whether this backward ends the window, asked only where it matters (a private Lightning call):
-        # FSDP reducing at the window's end, the core flushing its buffers for DDP or a GradScaler
-        last = (fsdp.defers or accumulator.uses_last) and not internals.should_accumulate(trainer)
+        # whether this backward ends the window, asked only where it matters (a private Lightning call)
+        last = self._asks_last and not internals.should_accumulate(trainer)
         # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed,
         # weighed here in place (the core divides K and the AMP scale out once per window)
         accumulator.begin_micro_batch(
             loss, current.items, last=last, label=current.label, error=current.error, in_place=True
         )
-        fsdp.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
+        self._sync.fsdp.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

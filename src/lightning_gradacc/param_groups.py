@@ -33,9 +33,19 @@ def optimized_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> 
 
 
 def param_groups_signature(trainer: pl.Trainer) -> tuple[tuple[int, int], ...]:
-    """Changes when a parameter group is added, or its list replaced or resized (``BaseFinetuning``)."""
-    return tuple(
-        (id(group["params"]), len(group["params"]))
-        for optimizer in trainer.optimizers
-        for group in optimizer.param_groups
-    )
+    """Changes when a parameter group is added, or its list replaced or resized (``BaseFinetuning``).
+
+    Looked at after every backward: one optimizer with one group, the common case, takes no loop.
+    """
+    optimizers = trainer.optimizers
+    if len(optimizers) == 1:
+        groups = optimizers[0].param_groups
+        if len(groups) == 1:
+            params = groups[0]["params"]
+            return ((id(params), len(params)),)
+    signature = []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            params = group["params"]
+            signature.append((id(params), len(params)))
+    return tuple(signature)

@@ -319,9 +319,9 @@ class GradAccumulator:
             self._buffers.discard()
             self._arm_hooks(False)
             self._watch_backward()  # a parameter unfrozen since the last window is hooked now
-        # the noise scale hooks only the windows it measures
-        measured = self._accounts.windows % self.settings.noise_scale_every == 0
-        self._noise.open_window(measured, self.parameters)
+        if self.settings.noise_scale:  # the noise scale hooks only the windows it measures
+            measured = self._accounts.windows % self.settings.noise_scale_every == 0
+            self._noise.open_window(measured, self.parameters)
         return Window(buffered=self._buffers is not None, device=self.device, dtype=self._ledger_dtype)
 
     @property
@@ -479,12 +479,12 @@ class GradAccumulator:
             raise RuntimeError(
                 "`begin_micro_batch` was called twice without `end_micro_batch` after the backward between."
             )
-        self.begin_backward()
+        self._noise.begin_backward()
         count = self.weigh(items, loss_dtype=loss.dtype, label=label, error=error)
-        weighted = self.settings.scaling == "weighted"
+        weighted = self._weighting.weighted
         # recorded as back-propagated, before its weight: a loss about to be weighted in place needs a copy
         recorded = loss.detach().clone() if in_place and weighted else loss.detach()
-        to_backward = count.weigh_loss(loss, in_place=in_place)
+        to_backward = count.weigh_loss(loss, in_place=in_place) if weighted else loss  # else weight 1
         last = self._window.micro_batches + 1 >= self._accumulation_steps if last is None else last
         self._pending = _MicroBatch(count, recorded, last)
         if last and self._flushes_before_last_backward:
@@ -563,13 +563,15 @@ class GradAccumulator:
         self._arm_hooks(False)  # what the hooks took is in the buffers; what they did not, `.grad` holds
         window = self._window
         count = items if isinstance(items, ItemCount) else self.weigh(items)
-        window.tally.note(count.problem, count.check)
+        if count.problem is not None or count.check is not None:
+            window.tally.note(count.problem, count.check)
         to_buffers = window.new_gradients_to_buffers
         keep = self._intake.absorb(window, count) if to_buffers and self._intake is not None else None
         window.tally.add(count.items, loss, keep, count.weight if self._weighting.weighted else None)
-        self._noise.record_micro_batch(
-            count.items, count.weight, self._scale.value, reevaluation=reevaluation
-        )
+        if self.settings.noise_scale:
+            self._noise.record_micro_batch(
+                count.items, count.weight, self._scale.value, reevaluation=reevaluation
+            )
         window.record_micro_batch(in_buffers=to_buffers)
         self._accounts.micro_batch_recorded(reevaluation=reevaluation)
 

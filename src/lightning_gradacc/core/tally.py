@@ -101,6 +101,12 @@ class WindowTally:
         ``weight`` is the factor its loss was multiplied by (``scaling="weighted"``). Without ``keep`` and
         tensors this launches no kernel.
         """
+        if keep is None and weight is None and type(items) is float and isinstance(loss, Tensor):
+            # the common case (a host count, a loss tensor): the branches below, short
+            self.host_items += items
+            self.losses.append(loss.detach() if loss.requires_grad else loss)
+            self.loss_weights.append(items)
+            return
         loss_weight: float | Tensor = 1.0 if items is None else items
         if keep is not None:  # a dropped micro-batch's loss is often nan: select, don't multiply
             loss_weight = torch.where(keep, self._scalar(loss_weight), 0.0)

@@ -71,6 +71,7 @@ class ItemWeighting:
         self._world = world
         self._device, self._dtype = device, dtype
         self.reference_count: float | Tensor | None = None
+        self._plain: ItemCount | None = None  # the last count of the unweighted fast path
 
     def weigh(
         self, items: Any, *, label: str, loss_dtype: torch.dtype | None = None, error: str | None = None
@@ -81,7 +82,10 @@ class ItemWeighting:
         """
         weighted = self.weighted
         if type(items) is int and items >= 0 and error is None and not weighted:  # the common case, quickly
-            return ItemCount(float(items), 1.0)
+            plain = self._plain  # the last such count, reused: an ItemCount is immutable
+            if plain is None or plain.items != items:
+                plain = self._plain = ItemCount(float(items), 1.0)
+            return plain
         value: float | Tensor | None = None
         problem = error
         check: InvalidCount | None = None

@@ -35,6 +35,10 @@ class WindowState(enum.Enum):
     CLOSED = "closed"
 
 
+# The states as module constants: a lookup on the enum class costs more than the whole check on the hot path.
+_EMPTY, _IN_GRAD, _IN_BUFFERS, _FLUSHED, _CLOSED = WindowState
+
+
 class WindowClosedError(RuntimeError):
     """An action on a window that has already been finalized or discarded."""
 
@@ -61,7 +65,7 @@ class Window:
 
     def __init__(self, *, buffered: bool, device: torch.device, dtype: torch.dtype) -> None:
         self.buffered = buffered
-        self.state = WindowState.EMPTY
+        self.state = _EMPTY
         self.micro_batches = 0
         self.tally = WindowTally(device, dtype)
         self.dropped: Tensor | None = None  # micro-batches dropped by overflow="skip_micro_batch" (device)
@@ -78,16 +82,17 @@ class Window:
     @property
     def sums_in_buffers(self) -> bool:
         """Whether the window's sum is in the buffers (not in ``.grad``)."""
-        return self.state is WindowState.IN_BUFFERS
+        return self.state is _IN_BUFFERS
 
     @property
     def new_gradients_to_buffers(self) -> bool:
         """Whether the next micro-batch's ``.grad`` moves into the buffers."""
-        self._require_open("record a micro-batch")
-        return self.buffered and self.state is not WindowState.FLUSHED
+        if self.state is _CLOSED:
+            self._require_open("record a micro-batch")
+        return self.buffered and self.state is not _FLUSHED
 
     def _require_open(self, action: str) -> None:
-        if self.state is WindowState.CLOSED:
+        if self.state is _CLOSED:
             raise WindowClosedError(
                 f"This accumulation window is closed (finalized or discarded); cannot {action}. A new window"
                 " opens after `finalize()` or `reset()`."
@@ -95,10 +100,12 @@ class Window:
 
     def record_micro_batch(self, *, in_buffers: bool) -> None:
         """Count one micro-batch whose gradient was added where the sum lives."""
-        self._require_open("record a micro-batch")
-        if self.state is WindowState.EMPTY:
-            self.state = WindowState.IN_BUFFERS if in_buffers else WindowState.IN_GRAD
-        elif in_buffers != (self.state is WindowState.IN_BUFFERS):
+        state = self.state
+        if state is _CLOSED:
+            self._require_open("record a micro-batch")
+        if state is _EMPTY:
+            self.state = _IN_BUFFERS if in_buffers else _IN_GRAD
+        elif in_buffers != (state is _IN_BUFFERS):
             raise RuntimeError(
                 f"A micro-batch's gradient went to {'the buffers' if in_buffers else '.grad'} while the"
                 f" window is {self.state.value}."
@@ -110,21 +117,21 @@ class Window:
         self._require_open("flush it into .grad")
         if not self.buffered:
             raise RuntimeError("A window without accumulation buffers has nothing to flush.")
-        if self.state is WindowState.FLUSHED:
+        if self.state is _FLUSHED:
             return False
-        moved = self.state is WindowState.IN_BUFFERS
-        self.state = WindowState.FLUSHED
+        moved = self.state is _IN_BUFFERS
+        self.state = _FLUSHED
         return moved
 
     def close(self) -> None:
         """End the window (finalized or discarded)."""
         self._require_open("close it")
-        self.state = WindowState.CLOSED
+        self.state = _CLOSED
 
     def restored(self, *, in_buffers: bool, micro_batches: int) -> None:
         """Take the state of a saved window whose sums were just put in place."""
         self._require_open("restore a saved window into it")
         if not self.empty:
             raise RuntimeError("A saved window can only be restored into an empty window.")
-        self.state = WindowState.IN_BUFFERS if in_buffers else WindowState.IN_GRAD
+        self.state = _IN_BUFFERS if in_buffers else _IN_GRAD
         self.micro_batches = micro_batches
