@@ -479,7 +479,7 @@ class GradAccumulator:
             raise RuntimeError(
                 "`begin_micro_batch` was called twice without `end_micro_batch` after the backward between."
             )
-        self._noise.begin_backward()
+        self.begin_backward()
         count = self.weigh(items, loss_dtype=loss.dtype, label=label, error=error)
         weighted = self._weighting.weighted
         # recorded as back-propagated, before its weight: a loss about to be weighted in place needs a copy
