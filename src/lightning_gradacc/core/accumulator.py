@@ -267,6 +267,7 @@ class GradAccumulator:
         self._pending: _MicroBatch | None = None
         self._window = self._new_window()
         self.device_step: DeviceStep | None = None  # the last `finalize(on_device=True)`'s step tensors
+        self._ranks: tuple[int, AllReduce | None] = (1, None)  # the world, resolved at each boundary
 
     # ------------------------------------------------------------------------------------- parameters
 
@@ -650,6 +651,7 @@ class GradAccumulator:
         """
         window = self._window
         self.device_step = None
+        self._ranks = self._world.resolve()  # once per boundary: `torch.distributed` asked once
         if on_device:
             self._check_on_device()
         if window.empty:
@@ -745,9 +747,9 @@ class GradAccumulator:
 
         Alone (no all-reduce), the loss totals are computed only if they will be read.
         """
-        _, all_reduce = self._world.resolve()
+        _, all_reduce = self._ranks
         totals = window.tally.totals(with_loss=all_reduce is not None)
-        noise = self._noise.close_window(self.parameters)
+        noise = self._noise.close_window(self.parameters) if self.settings.noise_scale else None
         loss: tuple[Scalar, Scalar] | tuple[None, None] = (None, None)
         if all_reduce is not None:
             packed = torch.stack([self._scalar(value) for value in totals.values()])
@@ -773,7 +775,7 @@ class GradAccumulator:
 
     def _decide(self, window: Window, measured: Measurement, norms: Norms) -> tuple[Scalar, Decision]:
         """The normalization factor, and what it and clipping make of the window's sum."""
-        world_size, _ = self._world.resolve()
+        world_size, _ = self._ranks
         factor = normalization(
             self.settings.scaling,
             window.micro_batches,
@@ -836,7 +838,7 @@ class GradAccumulator:
             micro_batches=window.micro_batches,
             reevaluation=reevaluation,
         )
-        world_size, _ = self._world.resolve()
+        world_size, _ = self._ranks
         self._weighting.rebase(measured.items, window.micro_batches * world_size)
         return self._keeps_step(window, live, has_items, measured.bad_items, sums, reevaluation, on_device)
 

@@ -22,12 +22,14 @@ def default_world() -> tuple[int, AllReduce | None]:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return 1, None
+    return dist.get_world_size(), _all_reduce_sum
 
-    def all_reduce_sum(tensor: Tensor) -> Tensor:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
 
-    return dist.get_world_size(), all_reduce_sum
+def _all_reduce_sum(tensor: Tensor) -> Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
 
 
 class World:
