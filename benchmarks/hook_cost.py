@@ -73,8 +73,8 @@ class EmptyHooks(pl.Callback):
 class Clock:
     """Durations of named calls while ``on``: wraps methods of objects in place (instance attributes).
 
-    A figure per call is the median of its durations (robust to the machine's hiccups); ``logging``
-    (a whole ``log_dict`` every ``log_every_n_steps``) is rare by design and is taken as a mean instead.
+    A figure per call is the median of its durations (robust to the machine's hiccups); ``logging`` (the
+    statistics handed to the loggers every ``log_every_n_steps``) is rare by design: a mean instead.
     """
 
     def __init__(self) -> None:
@@ -200,7 +200,9 @@ def fit(
     if clock is not None:
         for callback in callbacks:
             probe(callback, clock)
-        clock.wrap(module, "log_dict", "logging")  # the statistics, every `log_every_n_steps`
+        for callback in callbacks:  # the statistics, every `log_every_n_steps`
+            if hasattr(callback, "_log_statistics"):
+                clock.wrap(callback, "_log_statistics", "logging")
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,

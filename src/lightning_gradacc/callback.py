@@ -575,11 +575,16 @@ class GradientAccumulationLogic(_LogicBase):
             return
         self._resume_clipping()
         if self.log_stats and internals.logs_this_step(trainer):
-            # into `callback_metrics` without a logger too: `ddp_spawn` returns those to the launcher
-            logger = bool(trainer.loggers)
-            pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, batch_size=1, logger=logger)
+            self._log_statistics(trainer)
             if self._stepped_on_device:
                 self._warn_of_device_skips(trainer)
+
+    def _log_statistics(self, trainer: pl.Trainer) -> None:
+        """This step's statistics to the loggers, and into ``callback_metrics`` (also without a logger).
+
+        ``ddp_spawn`` returns them to the launcher; ``ModelCheckpoint(monitor=...)`` reads them.
+        """
+        internals.log_step_metrics(trainer, self.metrics())
 
     def _warn_of_device_skips(self, trainer: pl.Trainer) -> None:
         """Warn of steps a fused optimizer skipped on the device, counted at this read of the statistics."""

@@ -6,6 +6,8 @@ As often as asked (``log_every_n_steps``, ``log_stats``), as a frozen snapshot o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import pytorch_lightning as pl
 
@@ -73,3 +75,28 @@ def test_statistics_reach_callback_metrics_without_a_logger() -> None:
     metrics = trainer.callback_metrics
     assert float(metrics["grad_accum/windows"]) == 3
     assert float(metrics["grad_accum/items_last_step"]) == 8  # the partial window: 2 micro-batches of 4
+
+
+def test_statistics_share_the_step_of_the_modules_own_logs_and_can_be_monitored(tmp_path: Path) -> None:
+    """Handed to the loggers directly (as Lightning's LearningRateMonitor), at the step of `self.log`'s."""
+
+    class LogsItsLoss(h.RegressionModule):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss, on_step=True, on_epoch=False)
+            return loss
+
+    recorder = h.MetricsRecorder()
+    checkpoint = pl.callbacks.ModelCheckpoint(tmp_path, monitor="grad_accum/last_grad_norm", mode="min")
+    trainer = h.trainer(
+        callbacks=[GradientAccumulationCallback(4), checkpoint],
+        logger=recorder,
+        log_every_n_steps=1,
+        enable_checkpointing=True,
+    )
+    trainer.fit(LogsItsLoss(h.regression_data(40)))
+    assert (
+        h.series_steps(recorder, "grad_accum/windows") == h.series_steps(recorder, "train_loss") == [0, 1, 2]
+    )
+    assert checkpoint.best_model_score is not None  # `callback_metrics` hold the statistics
+    assert float(trainer.logged_metrics["grad_accum/windows"]) == 3
