@@ -96,7 +96,7 @@ def log_step_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
     if trainer.loggers:
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(metrics=metrics, step=step)  # as the logger connector calls it
         trainer.logged_metrics.update(metrics)  # type: ignore[arg-type]
     trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
 
