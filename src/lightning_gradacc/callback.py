@@ -31,7 +31,7 @@ from . import lightning_internals as internals
 from .core import GradAccumulator
 from .core.device_step import disarm, skips_on_device
 from .core.validation import AccumulationSettings
-from .counters import check_item_count_fn, count_micro_batch, first_tensor_length
+from .counters import check_item_count_fn, count_micro_batch
 from .k_owner import KOwner
 from .lr_scaling import LRScaling
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
@@ -63,7 +63,7 @@ class _Batch:
     """What the callback knows of the current micro-batch: ``on_train_batch_start`` starts a fresh one."""
 
     items: Any = None  # its item count (a number or a tensor); None: unknown
-    label: str = "the batch size"  # what `items` is, for the core's messages (a batch size, unless told)
+    label: str = ""  # what `items` is, for the core's messages
     error: str | None = None  # why `items` is unknown, raised at the boundary (on every rank together)
     backward_ran: bool = False  # False: `training_step` returned None
     recorded: bool = False  # recorded in the window, the batch not ended: a save now is mid-batch
@@ -469,11 +469,6 @@ class GradientAccumulationLogic(_LogicBase):
                 # from the dataloader, which skips every hook): it must not start from the last one's.
                 accumulator.reset(set_grads_to_none=True)
         weighted = self.settings.scaling == "weighted"
-        if self.item_count_fn is None and not weighted:  # the count feeds the statistics only
-            size = first_tensor_length(batch)  # Lightning's inference of common batches, quickly
-            if size is not None:  # an int >= 0, which the core takes as it is: no message will name it
-                current.items = size
-                return
         counted = count_micro_batch(
             batch, batch_idx, self.item_count_fn, weighted, self._api.extract_batch_size
         )

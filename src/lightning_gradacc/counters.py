@@ -3,7 +3,7 @@
 The ready counters for ``scaling="weighted"`` (usable as import paths in YAML) each return the number of
 items a micro-batch's loss is a mean over. Tensor results stay on the device: counting never syncs with
 the host. Without an ``item_count_fn`` the callback counts with :func:`unambiguous_batch_size`
-(``"weighted"``) or :func:`inferred_batch_size` (the statistics only). Each walks through a batch with
+(``"weighted"``) or the batch size Lightning infers (the statistics only). Each walks through a batch with
 :func:`tensors`, except where Lightning's own inference is the point.
 
 Which token counter fits depends on where the labels are shifted. A loss computed on labels that are
@@ -97,7 +97,8 @@ def unambiguous_batch_size(batch: Any) -> int:
 def first_tensor_length(batch: Any) -> int | None:
     """The length of the first tensor of a tensor, ``(inputs, targets)`` or dict batch; ``None`` otherwise.
 
-    Lightning's inference gives the same number for these batches, without its walk through the batch.
+    Lightning's inference gives the same number for these batches, without its walk through the batch
+    (about 10 µs): this runs on every micro-batch.
 
     Example:
         >>> import torch
@@ -114,17 +115,6 @@ def first_tensor_length(batch: Any) -> int | None:
         if shape:
             return shape[0]
     return None
-
-
-def inferred_batch_size(batch: Any, extract_batch_size: Callable[[Any], int]) -> int:
-    """The batch size Lightning infers, the length of the first tensor: for the ``items_last_step`` statistic.
-
-    A fast path covers ``(inputs, targets)``, tensor and dict batches (:func:`first_tensor_length`), since
-    this runs on every micro-batch; anything else goes through ``extract_batch_size`` (Lightning's own walk,
-    about 10 µs per micro-batch), so that the count is exactly Lightning's.
-    """
-    size = first_tensor_length(batch)
-    return size if size is not None else extract_batch_size(batch)
 
 
 def check_item_count_fn(item_count_fn: Any, *, weighted: bool, scaling: str) -> None:
@@ -168,7 +158,9 @@ def count_micro_batch(
 
     Under ``scaling="weighted"`` the batch size must be unambiguous: an ambiguous one is returned as an
     error for the core, which raises it at the window's end, on every rank together. Otherwise the count
-    only feeds the statistics and is the batch size Lightning infers.
+    only feeds the statistics and is the batch size Lightning infers: the first tensor's length for common
+    batches (:func:`first_tensor_length`; an int >= 0 the core takes as it is, so no message will name it
+    and its label is constant), else ``extract_batch_size``.
 
     Args:
         batch: The micro-batch.
@@ -186,6 +178,10 @@ def count_micro_batch(
         return MicroBatchCount(
             item_count_fn(batch), f"the item count of batch {batch_idx} (from `item_count_fn`)"
         )
+    if not weighted:
+        size = first_tensor_length(batch)
+        if size is not None:
+            return MicroBatchCount(size, "the batch size")
     label = f"the batch size of batch {batch_idx}"
     if weighted:
         try:
@@ -200,7 +196,7 @@ def count_micro_batch(
                 ),
             )
     try:
-        return MicroBatchCount(inferred_batch_size(batch, extract_batch_size), label)
+        return MicroBatchCount(extract_batch_size(batch), label)
     except Exception as error:
         return MicroBatchCount(
             None,
