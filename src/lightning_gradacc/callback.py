@@ -29,7 +29,7 @@ from typing_extensions import override
 from . import compatibility as compat
 from . import lightning_internals as internals
 from .core import GradAccumulator
-from .core.device_step import disarm, skips_on_device
+from .core.device_step import disarm
 from .core.validation import AccumulationSettings
 from .counters import check_item_count_fn, count_micro_batch
 from .k_owner import KOwner
@@ -530,7 +530,7 @@ class GradientAccumulationLogic(_LogicBase):
             scaler.unscale_(optimizer)
         # Logged at this batch's end: the statistics then come along in the step's one sync.
         logs = self.log_stats and internals.logs_this_step(trainer)
-        on_device = scaler is None and self.settings.overflow != "raise" and skips_on_device(optimizer)
+        on_device = accumulator.decides_on_device(optimizer)
         stepped = accumulator.finalize(
             reevaluation=current.finalized,
             read_statistics=logs,

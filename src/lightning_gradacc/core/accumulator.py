@@ -905,8 +905,8 @@ class GradAccumulator:
             keep = both(keep, bad_items == 0)
             step = self._accounts.windows - 1
             self._accounts.ledger.hold_check(bad_items, lambda count: self._held_count_message(step, count))
-        if not isinstance(keep, Tensor):  # a fill kernel: no host-to-device copy
-            return torch.full((), 0.0 if keep else 1.0, dtype=torch.float32, device=self.device)
+        if not isinstance(keep, Tensor):
+            return as_scalar(0.0 if keep else 1.0, self.device, torch.float32)
         return (~keep).to(torch.float32)
 
     def _reciprocal(self, multiplier: Scalar) -> Tensor | None:
@@ -915,7 +915,15 @@ class GradAccumulator:
             return (1.0 / multiplier).to(torch.float32)
         if multiplier == 1.0:
             return None
-        return torch.full((), 1.0 / multiplier, dtype=torch.float32, device=self.device)
+        return as_scalar(1.0 / multiplier, self.device, torch.float32)
+
+    def decides_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether a window stepped by ``optimizer`` can be decided on the device (``finalize(on_device=)``).
+
+        For an optimizer that skips on the device (``core.device_step.skips_on_device``), without a
+        ``grad_scaler`` (it skips itself) and unless ``overflow="raise"`` (it raises at the step).
+        """
+        return self._scale.scaler is None and self.settings.overflow != "raise" and skips_on_device(optimizer)
 
     def _check_on_device(self) -> None:
         if self.settings.overflow == "raise" or self._scale.scaler is not None:
@@ -977,7 +985,7 @@ class GradAccumulator:
             return False
         scaler = self._scale.scaler
         if on_device is None:
-            on_device = scaler is None and self.settings.overflow != "raise" and skips_on_device(optimizer)
+            on_device = self.decides_on_device(optimizer)
         if on_device:
             stepped = self.finalize(on_device=True, fold_multiplier=True)
             if stepped:
