@@ -39,27 +39,7 @@ from torch import Tensor
 from torch.nn.parameter import is_lazy
 
 from .buffers import GradBuffers
-
-
-class _TakeHook:
-    """A parameter's post-accumulate-grad hook, holding its owner weakly (a dropped owner's do nothing)."""
-
-    __slots__ = ("index", "owner")
-
-    def __init__(self, owner: BufferHooks, index: int) -> None:
-        self.owner = weakref.ref(owner)
-        self.index = index
-
-    def __call__(self, param: Tensor) -> None:
-        owner = self.owner()
-        if owner is not None and owner.armed:
-            owner.buffers.take(self.index)
-
-
-def _remove_handles(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
+from .hooks import WeakHook, remove_handles
 
 
 class BufferHooks:
@@ -92,7 +72,7 @@ class BufferHooks:
         self.buffers = buffers
         self.armed = False
         self._handles: list[Any] = []  # mutated in place: the finalizer below holds this list
-        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
+        self._finalizer = weakref.finalize(self, remove_handles, self._handles)
         self._watched: tuple[tuple[int, Tensor], ...] = ()
 
     def _hookable(self) -> tuple[tuple[int, Tensor], ...]:
@@ -110,12 +90,17 @@ class BufferHooks:
             i == j and p is q for (i, p), (j, q) in zip(hookable, self._watched, strict=True)
         ):
             return
-        _remove_handles(self._handles)
+        remove_handles(self._handles)
         self._watched = hookable
         self._handles.extend(
-            param.register_post_accumulate_grad_hook(_TakeHook(self, index))  # type: ignore[no-untyped-call]
+            param.register_post_accumulate_grad_hook(WeakHook(self._take, index))  # type: ignore[no-untyped-call]
             for index, param in hookable
         )
+
+    def _take(self, index: int, param: Tensor) -> None:
+        """The hook of the parameter at ``index``: its gradient into its buffer, while armed."""
+        if self.armed:
+            self.buffers.take(index)
 
     @property
     def watching(self) -> bool:
@@ -125,5 +110,5 @@ class BufferHooks:
     def remove(self) -> None:
         """Remove the hooks (and disarm): no gradient is taken inside a backward until :meth:`watch`."""
         self.armed = False
-        _remove_handles(self._handles)
+        remove_handles(self._handles)
         self._watched = ()

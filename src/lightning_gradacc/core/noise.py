@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .hooks import WeakHook, remove_handles, same_tensors
 from .scalars import Flag, Scalar, both, is_finite
 
 
@@ -94,31 +95,6 @@ def _is_zero(value: Scalar) -> bool:
     return not isinstance(value, Tensor) and value == 0
 
 
-class _NormHook:
-    """A parameter's gradient hook; holds its owner weakly, so a dropped owner's hooks do nothing."""
-
-    __slots__ = ("index", "owner")
-
-    def __init__(self, owner: NoiseScale, index: int) -> None:
-        self.owner = weakref.ref(owner)
-        self.index = index
-
-    def __call__(self, grad: Tensor) -> None:
-        owner = self.owner()
-        if owner is not None:
-            owner._on_gradient(self.index, grad)
-
-
-def _same(these: tuple[Tensor, ...], those: tuple[Tensor, ...]) -> bool:
-    return len(these) == len(those) and all(a is b for a, b in zip(these, those, strict=True))
-
-
-def _remove_handles(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-
-
 # The per-window totals, in this order, summed over ranks: what S and the two β need.
 TOTALS = (
     "measured_small",  # Σ b|g|² over the measured micro-batches
@@ -168,7 +144,7 @@ class NoiseScale:
         self.dtype = dtype
         self.weighted = weighted
         self._handles: list[Any] = []  # mutated in place: the finalizer below holds this list
-        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
+        self._finalizer = weakref.finalize(self, remove_handles, self._handles)
         self._watched: tuple[Tensor, ...] = ()
         self._unit_missing = False  # this window's counts are missing (`items=None`: micro-batch units)
         self._unusable = False  # this window cannot be measured (see the class docstring)
@@ -186,14 +162,14 @@ class NoiseScale:
         so was a backward that ran since the last record (its micro-batch is recorded next).
         """
         watched = tuple(p for p in params if p.requires_grad)
-        if _same(watched, self._watched):
+        if same_tensors(watched, self._watched):
             return
         if self._micro_batches_recorded or self._fired:
             self._unusable = True
-        _remove_handles(self._handles)
+        remove_handles(self._handles)
         self._watched = watched
         self._handles.extend(
-            param.register_hook(_NormHook(self, index))  # type: ignore[no-untyped-call]
+            param.register_hook(WeakHook(self._on_gradient, index))  # type: ignore[no-untyped-call]
             for index, param in enumerate(watched)
         )
 
@@ -201,7 +177,7 @@ class NoiseScale:
         """Whether the parameters requiring a gradient are not the ones hooked (one host pass, no sync)."""
         if not self._handles:
             return False
-        return not _same(tuple(p for p in params if p.requires_grad), self._watched)
+        return not same_tensors(tuple(p for p in params if p.requires_grad), self._watched)
 
     @property
     def watching(self) -> bool:
@@ -210,7 +186,7 @@ class NoiseScale:
 
     def remove_hooks(self) -> None:
         """Remove the gradient hooks (a replaced accumulator must not keep measuring)."""
-        _remove_handles(self._handles)
+        remove_handles(self._handles)
         self._watched = ()
 
     def begin_backward(self) -> None:
