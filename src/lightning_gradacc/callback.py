@@ -570,21 +570,21 @@ class GradientAccumulationLogic(_LogicBase):
             return
         self._resume_clipping()
         if self.log_stats and internals.logs_this_step(trainer):
-            self._log_statistics(trainer)
-            if self._stepped_on_device:
-                self._warn_of_device_skips(trainer)
+            logged = self._log_statistics(trainer)
+            if self._stepped_on_device and logged:
+                self._warn_of_device_skips(trainer, int(logged["grad_accum/skipped_steps"]))
 
-    def _log_statistics(self, trainer: pl.Trainer) -> None:
+    def _log_statistics(self, trainer: pl.Trainer) -> dict[str, float]:
         """This step's statistics to the loggers, and into ``callback_metrics`` (also without a logger).
 
         ``ddp_spawn`` returns them to the launcher; ``ModelCheckpoint(monitor=...)`` reads them.
         """
-        internals.log_step_metrics(trainer, self.metrics())
+        logged = self.metrics()
+        internals.log_step_metrics(trainer, logged)
+        return logged
 
-    def _warn_of_device_skips(self, trainer: pl.Trainer) -> None:
+    def _warn_of_device_skips(self, trainer: pl.Trainer, skipped: int) -> None:
         """Warn of steps a fused optimizer skipped on the device, counted at this read of the statistics."""
-        assert self._accumulator is not None
-        skipped = self._accumulator.stats.skipped_steps  # read already: no second sync
         self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)
 
     def metrics(self) -> dict[str, float]:
@@ -629,7 +629,7 @@ class GradientAccumulationLogic(_LogicBase):
         if self._accumulator is not None:
             self._accumulator.remove_hooks()
             if self._stepped_on_device:  # the last steps' skips, and invalid counts held on the device
-                self._warn_of_device_skips(trainer)
+                self._warn_of_device_skips(trainer, self._accumulator.stats.skipped_steps)
         if self._driver is not None:
             self._driver.window_abandoned()
         self._lr_scaling.detach()
