@@ -43,8 +43,10 @@ def test_an_armed_step_is_disarmed_after_one_step_and_cannot_be_armed_twice() ->
     optimizer.step()  # skipped: found_inf
     assert not hasattr(optimizer, "found_inf") and not hasattr(optimizer, "grad_scale")
     assert torch.equal(weight[0].detach(), torch.zeros(3)) and float(optimizer.state[weight[0]]["step"]) == 0
+    assert not optimizer._optimizer_step_post_hooks  # the one-shot hook is gone after its step
     DeviceStep(torch.tensor(0.0), torch.tensor(2.0)).arm(optimizer)
     disarm(optimizer)  # e.g. the step never came (an exception)
+    assert not optimizer._optimizer_step_post_hooks  # nothing of this package stays on the optimizer
     optimizer.step()  # an ordinary step now
     assert float(optimizer.state[weight[0]]["step"]) == 1
 

@@ -13,6 +13,7 @@ a gradient.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,17 +87,26 @@ class DeviceStep:
             )
         optimizer.found_inf = self.found_inf  # type: ignore[attr-defined]
         optimizer.grad_scale = self.grad_scale  # type: ignore[attr-defined]
-        handle: Any = None
+        _PENDING[optimizer] = optimizer.register_step_post_hook(_disarm_after_step)
 
-        def disarm_after(stepped: Any, args: Any, kwargs: Any) -> None:
-            disarm(stepped)
-            handle.remove()
 
-        handle = optimizer.register_step_post_hook(disarm_after)
+# the one-shot step post-hook of each armed optimizer, removed by `disarm` with the tensors
+_PENDING: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _disarm_after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    disarm(optimizer)
 
 
 def disarm(optimizer: Any) -> None:
-    """Remove what :meth:`DeviceStep.arm` left on ``optimizer`` (nothing happens if nothing is there)."""
+    """Remove what :meth:`DeviceStep.arm` left on ``optimizer``: the tensors and its step post-hook.
+
+    Nothing happens if nothing is there. Called after the step, and for a step that never came (an
+    exception), so that no hook of this package stays on the optimizer.
+    """
+    handle = _PENDING.pop(optimizer, None)
+    if handle is not None:
+        handle.remove()
     for name in ARMED:
         if name in vars(optimizer):
             delattr(optimizer, name)
