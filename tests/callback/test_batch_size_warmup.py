@@ -369,17 +369,22 @@ class _ValidatesMidWindow:
         return torch.utils.data.DataLoader(h.regression_data(8), batch_size=4)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_fused"])  # fused: each step decided on the device
 @pytest.mark.parametrize("namespace", ["pytorch_lightning", "lightning.pytorch"])
-def test_a_schedule_with_mid_window_validation_and_a_none_step_in_both_namespaces(namespace: str) -> None:
+def test_a_schedule_with_mid_window_validation_and_a_none_step_in_both_namespaces(
+    namespace: str, optimizer: str
+) -> None:
     """The window holding batch 5 is the big batch of its other micro-batches; validation inside windows
     changes nothing; the same in both Lightning namespaces."""
     base = h.RegressionModule if namespace == "pytorch_lightning" else h.LitRegressionModule
-    module = type("Module", (_ValidatesMidWindow, base), {})(h.regression_data(40))
+    module = type("Module", (_ValidatesMidWindow, base), {})(h.regression_data(40), optimizer=optimizer)
     schedule = {0: 2, 2: 3}
-    callback = h.accumulation_callback(namespace, schedule, schedule_unit="steps")
+    callback = h.accumulation_callback(namespace, schedule, schedule_unit="steps", max_grad_norm=0.5)
     h.trainer(namespace, callbacks=[callback], val_check_interval=3, limit_val_batches=1).fit(module)
     windows = [[b for b in w if b != 5] for w in schedule_windows(schedule)]  # [0,1] [2,3] [4,6] [7,8,9]
-    assert h.max_abs_diff(module.net, h.regression_reference(windows)) < 1e-6
+    expected = h.regression_reference(windows, optimizer=optimizer, max_grad_norm=0.5)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    assert callback.stats.clipped_steps > 0
 
 
 def test_a_second_fit_on_the_same_trainer_goes_on_with_the_schedule() -> None:

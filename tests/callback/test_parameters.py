@@ -79,12 +79,16 @@ class UnfreezeFirstLayer(BaseFinetuning):
 
 class TrainsWhatRequiresGrad(h.RegressionModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.SGD(params, lr=self.lr, fused=self.optimizer_name == "sgd_fused" or None)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_fused"])  # fused: the step decided on the device
 @pytest.mark.parametrize("accumulation_dtype", [None, "float64"])
-def test_base_finetuning_param_group_added_mid_fit_is_tracked(accumulation_dtype: str | None) -> None:
-    module = TrainsWhatRequiresGrad(h.regression_data(38), nan_at=[13])  # a non-finite window in epoch 1
+def test_base_finetuning_param_group_added_mid_fit_is_tracked(
+    accumulation_dtype: str | None, optimizer: str
+) -> None:
+    module = TrainsWhatRequiresGrad(h.regression_data(38), nan_at=[13], optimizer=optimizer)  # nan: epoch 1
     callback = GradientAccumulationCallback(
         4, scaling="weighted", max_grad_norm=0.3, accumulation_dtype=accumulation_dtype
     )
