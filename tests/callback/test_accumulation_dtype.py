@@ -117,3 +117,53 @@ def test_bf16_gradients_go_into_fp32_buffers_inside_the_backward(in_backward: bo
     for got, expected in zip(module.net.parameters(), reference.parameters(), strict=True):
         assert torch.equal(got, expected)
     assert callback.stats.windows == 2 and callback.stats.buffer_bytes == 2 * every
+
+
+class SecondBranchInTheFirstWindow(h.RegressionModule):
+    """`net(x)` always, plus `extra(x)` in the first window's micro-batches only: `extra` has a gradient in
+    window 0 and none afterwards. Adam over both (a gradient of zeros would still move it by momentum)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        torch.manual_seed(1)
+        self.extra = nn.Linear(5, 1)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        out = self.net(x)
+        if batch_idx < K:
+            out = out + self.extra(x)
+        return nn.functional.mse_loss(out, y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_a_parameter_without_gradient_in_a_window_gets_none_from_the_buffers(in_backward: bool) -> None:
+    """The buffer of `extra` still holds window 0's sum when windows 1 and 2 close: it must not be written
+    into `.grad` again. Oracle: plain PyTorch, one Adam step per window on its big batch, `extra` without a
+    gradient (so untouched by Adam) after the first window."""
+    data = h.regression_data(40)
+    module = SecondBranchInTheFirstWindow(data=data, lr=0.01)
+    callback = GradientAccumulationCallback(K, accumulation_dtype="float64")
+    callback._accumulate_in_backward = in_backward
+    h.fit(module, callback)
+    torch.manual_seed(0)
+    net = h.regression_net()
+    torch.manual_seed(1)
+    extra = nn.Linear(5, 1)
+    optimizer = torch.optim.Adam([*net.parameters(), *extra.parameters()], lr=0.01)
+    x, y = data.tensors
+    for index, window in enumerate(h.windows(10, K)):
+        rows = slice(window[0] * 4, (window[-1] + 1) * 4)
+        out = net(x[rows]) + (extra(x[rows]) if index == 0 else 0.0)
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(out, y[rows]).backward()
+        optimizer.step()
+    assert h.max_abs_diff(module.net, net) < 1e-6
+    assert h.max_abs_diff(module.extra, extra) < 1e-6
+    assert {float(s["step"]) for p, s in module.trainer.optimizers[0].state.items() if p.dim() == 2} == {
+        1.0,
+        3.0,
+    }  # `extra.weight` stepped once, `net`'s weights three times

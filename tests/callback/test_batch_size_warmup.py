@@ -398,3 +398,28 @@ def test_a_second_fit_on_the_same_trainer_goes_on_with_the_schedule() -> None:
     trainer.fit_loop.max_epochs = 2
     trainer.fit(module)
     assert h.max_abs_diff(module.net, h.regression_reference(schedule_windows(schedule, epochs=2))) < 1e-6
+
+
+@pytest.mark.parametrize(("mode", "power"), [("sqrt", 0.5), ("linear", 1.0)])
+def test_lr_scaling_is_relative_to_the_schedules_first_k(mode: str, power: float) -> None:
+    """A schedule that starts at K=2, `{0: 2, 2: 4}`: windows 2 2 | 4 2 (the last cut by the epoch's end,
+    whose factor is the schedule's K). The factor is (K / 2) ** p: 1 for the first windows, 2 ** p after.
+    Oracle: one SGD step per window on its big batch with that learning rate; the logged factor."""
+    import torch
+
+    schedule = {0: 2, 2: 4}
+    callback = GradientAccumulationCallback(schedule, schedule_unit="steps", lr_scaling=mode)
+    module, _ = fit(callback)
+    windows = schedule_windows(schedule)
+    assert [len(w) for w in windows] == [2, 2, 4, 2]
+    reference = h.regression_net()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    tensors = h.regression_data(40).tensors
+    for index, window in enumerate(windows):
+        rows = torch.cat([torch.arange(4 * b, 4 * b + 4) for b in window])
+        optimizer.zero_grad()
+        h.mse(reference, *(t[rows] for t in tensors)).backward()
+        optimizer.param_groups[0]["lr"] = 0.1 * (1.0 if index < 2 else 2.0**power)
+        optimizer.step()
+    assert h.max_abs_diff(module.net, reference) < 1e-6
+    assert callback.metrics()["grad_accum/lr_factor"] == 2.0**power

@@ -118,3 +118,62 @@ def test_an_invalid_count_found_on_the_device_skips_its_step_and_raises_when_rea
         h.trainer(callbacks=[callback], log_every_n_steps=100).fit(module)
     state = module.trainer.optimizers[0].state
     assert {float(s["step"]) for s in state.values()} == {2.0}  # windows 0 and 2 stepped, 1 did not
+
+
+def test_overflow_ignore_steps_a_non_finite_window_on_the_device_as_on_the_host() -> None:
+    """`overflow="ignore"` counts a non-finite window and steps it: the fused step must be told to take it.
+    Oracle: the same fit with the non-fused Adam, decided on the host (parameters and Adam's step count)."""
+    fused, fused_callback = fused_fit("adam_fused", nan_at=(5,), overflow="ignore")
+    host, host_callback = fused_fit("adam", nan_at=(5,), overflow="ignore")
+    for got, expected in zip(fused.net.parameters(), host.net.parameters(), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0.0, atol=2e-7, equal_nan=True)
+    assert any(bool(torch.isnan(p).any()) for p in fused.net.parameters())  # the nan window was stepped
+    steps = [{float(s["step"]) for s in m.trainer.optimizers[0].state.values()} for m in (fused, host)]
+    assert steps == [{3.0}, {3.0}]
+    for callback in (fused_callback, host_callback):  # windows 1 and 2 (nan parameters): counted, stepped
+        assert (callback.stats.non_finite_windows, callback.stats.skipped_steps) == (2, 0)
+
+
+class ZeroItemsInWindow:
+    """An item counter (samples) that counts 0 for micro-batches `first`..`last` of the fit."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last, self.calls = first, last, 0
+
+    def __call__(self, batch: Any) -> int:
+        index, self.calls = self.calls, self.calls + 1
+        return 0 if self.first <= index <= self.last else len(batch[0])
+
+
+@pytest.mark.parametrize("optimizer", ["adam_fused", "adam"])
+def test_a_weighted_window_of_zero_items_takes_no_step_on_the_device_either(optimizer: str) -> None:
+    """Window 1 (micro-batches 4-7) counts 0 items: no step, whether decided on the device (fused Adam's
+    `found_inf`) or on the host. Oracle: the big batch of windows 0 and 2 with the same optimizer; Adam's
+    `step` counts 2, and its momentum does not move the parameters in the empty window."""
+    callback = GradientAccumulationCallback(4, scaling="weighted", item_count_fn=ZeroItemsInWindow(4, 7))
+    module = h.RegressionModule(h.regression_data(40), optimizer=optimizer, lr=0.01)
+    h.trainer(callbacks=[callback]).fit(module)
+    expected = h.regression_reference(h.windows(10, 4), optimizer=optimizer, lr=0.01, skip_windows=[1])
+    assert h.max_abs_diff(module.net, expected) < 2e-7
+    assert {float(s["step"]) for s in module.trainer.optimizers[0].state.values()} == {2.0}
+    assert (callback.stats.empty_windows, callback.stats.windows) == (1, 3)
+
+
+@pytest.mark.parametrize("nan_at", [(), (5,)])
+def test_buffers_with_a_fused_optimizer_are_multiplied_before_they_leave_for_the_step(
+    nan_at: tuple[int, ...],
+) -> None:
+    """With `accumulation_dtype` the window's sums are in buffers at the boundary: the multiplier cannot ride
+    in the fused step's `grad_scale` (it would step on gradients that never left the buffers). Oracle: the
+    big batch with the same fused Adam, clipped, the nan window skipped."""
+    module, callback = fused_fit("adam_fused", nan_at=nan_at, accumulation_dtype="float64", max_grad_norm=0.5)
+    expected = h.regression_reference(
+        h.windows(10, 4),
+        optimizer="adam_fused",
+        lr=0.01,
+        max_grad_norm=0.5,
+        skip_windows=[1] if nan_at else [],
+    )
+    assert h.max_abs_diff(module.net, expected) < 2e-7
+    assert callback.stats.skipped_steps == len(nan_at)
+    assert callback.stats.clipped_steps > 0

@@ -200,3 +200,55 @@ def test_ddp_skip_micro_batch_drops_a_non_finite_last_micro_batch_alone() -> Non
     assert float(metrics["grad_accum/dropped_micro_batches"]) == 1
     assert float(metrics["grad_accum/skipped_steps"]) == 0
     assert float(metrics["grad_accum/windows"]) == 3
+
+
+class SecondBranchOnRankOne(h.RegressionModule):
+    """`a(x)` on every rank, plus `b(x)` on rank 1 only: `b` has a gradient on one rank and not the other in
+    every window."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        super().__init__(data)
+        torch.manual_seed(1)
+        self.a, self.b = torch.nn.Linear(5, 1), torch.nn.Linear(5, 1)
+
+    def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.a(x) + (self.b(x) if self.global_rank == 1 else 0.0)
+        return torch.nn.functional.mse_loss(out, y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([*self.a.parameters(), *self.b.parameters()], lr=0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode",
+    [{"clip_mode": "micro_batch", "max_grad_norm": 100.0}, {"overflow": "skip_micro_batch"}],
+    ids=["clip_micro_batch", "skip_micro_batch"],
+)
+def test_ddp_per_micro_batch_averages_a_parameter_that_only_one_rank_used(mode: dict[str, object]) -> None:
+    """Under the per-micro-batch modes the core averages the buffers over the ranks itself: which parameters
+    take part must be decided over all ranks (`b` holds a gradient on rank 1 only, and is averaged with rank
+    0's zeros, as DDP would). Oracle: plain PyTorch, each rank's micro-batch gradients summed, divided by
+    the micro-batches of all ranks."""
+    data = h.regression_data(40)  # 5 micro-batches of 4 per rank; K=2: windows 2, 2, 1
+    module = SecondBranchOnRankOne(data)
+    callback = GradientAccumulationCallback(2, accumulation_dtype="float64", **mode)  # type: ignore[arg-type]
+    ddp_trainer(callback).fit(module)
+    torch.manual_seed(1)
+    a, b = torch.nn.Linear(5, 1), torch.nn.Linear(5, 1)
+    b_before = b.weight.detach().clone()
+    optimizer = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    x, y = data.tensors
+    rows_of_rank = [torch.arange(rank, len(data), WORLD) for rank in range(WORLD)]
+    for window in h.windows(5, 2):
+        optimizer.zero_grad()
+        for i in window:
+            for rank, rows in enumerate(rows_of_rank):
+                part = rows[i * 4 : (i + 1) * 4]
+                out = a(x[part]) + (b(x[part]) if rank == 1 else 0.0)
+                (torch.nn.functional.mse_loss(out, y[part]) / (len(window) * WORLD)).backward()
+        optimizer.step()
+    assert h.max_abs_diff(module.a, a) < 1e-6
+    assert h.max_abs_diff(module.b, b) < 1e-6
+    assert float((module.b.weight.detach() - b_before).abs().max()) > 1e-3  # `b` really moved (rank 1's half)
