@@ -304,6 +304,37 @@ def windows(num_batches: int, schedule: Callable[[int], int] | int, epochs: int 
     return result
 
 
+def keyed_windows(
+    schedule: dict[int, int],
+    num_batches: int,
+    *,
+    epochs: int = 1,
+    unit: str = "steps",
+    items: Callable[[int], float] = lambda batch: 4.0,
+    steps: int = 0,
+    consumed: float = 0.0,
+) -> list[tuple[list[int], int]]:
+    """The windows of a schedule keyed by optimizer steps or items, epoch after epoch, each with its K.
+
+    A window's K is the schedule's value at the count reached when it opens (1 before the first key); an
+    epoch's end closes it (its K stays the schedule's). ``items(b)``: the items of micro-batch ``b`` over all
+    ranks. ``steps`` and ``consumed``: where the count stands when the first window opens.
+    """
+    result: list[tuple[list[int], int]] = []
+    for _ in range(epochs):
+        start = 0
+        while start < num_batches:
+            count = steps if unit == "steps" else consumed
+            started = [v for t, v in sorted(schedule.items()) if t <= count]
+            k = started[-1] if started else 1
+            window = list(range(start, min(start + k, num_batches)))
+            result.append((window, k))
+            start += len(window)
+            steps += 1
+            consumed += sum(items(b) for b in window)
+    return result
+
+
 def big_batch_reference(
     net: nn.Module,
     data: TensorDataset,
@@ -322,6 +353,7 @@ def big_batch_reference(
     norm_type: float = 2.0,
     clip_value: float | None = None,
     clip_scope: str = "global",
+    lr_factors: Sequence[float] | None = None,
 ) -> nn.Module:
     """Train a copy of ``net`` with one optimizer step per window on the window's samples as ONE batch.
 
@@ -331,6 +363,7 @@ def big_batch_reference(
     freeze or unfreeze layers); only parameters with ``requires_grad`` then take part, as in the optimizer.
     ``fp16_autocast`` runs the forward under CPU fp16 autocast, as ``precision="16-mixed"`` does, so that
     16-mixed runs compare against the same arithmetic (the loss scale, a power of two, changes nothing).
+    ``lr_factors[i]`` multiplies the learning rate of window i's step (``lr_scaling``).
     """
     reference = copy.deepcopy(net)
     opt = make_optimizer(optimizer, reference.parameters(), lr)
@@ -358,6 +391,9 @@ def big_batch_reference(
             )
         if index in skip_windows:
             continue
+        factor = 1.0 if lr_factors is None else lr_factors[index]
+        for group in opt.param_groups:
+            group["lr"] = lr * factor
         opt.step()
     return reference
 
@@ -699,14 +735,13 @@ SPAWN: dict[str, Any] = {"pytorch_lightning": SpawnStrategy, "lightning.pytorch"
 
 def ddp_trainer(*callbacks: pl.Callback, strategy: object = "ddp_spawn", **kwargs: Any) -> pl.Trainer:
     """A Trainer on two CPU processes that logs every step to a :class:`MetricsRecorder`."""
-    options: dict[str, Any] = {"logger": MetricsRecorder(), "log_every_n_steps": 1, **kwargs}
-    return trainer(
-        **options,
-        strategy=strategy,
-        devices=2,
-        callbacks=list(callbacks),
-        use_distributed_sampler=False,  # the modules shard in dataset order (see ordered_loader)
-    )
+    options: dict[str, Any] = {
+        "logger": MetricsRecorder(),
+        "log_every_n_steps": 1,
+        "use_distributed_sampler": False,  # the modules shard in dataset order (see ordered_loader)
+        **kwargs,
+    }
+    return trainer(**options, strategy=strategy, devices=2, callbacks=list(callbacks))
 
 
 # ------------------------------------------------------------------------------- configs and the CLI

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .core import GradAccumulator, GradientOverflowError
-from .schedule import linear_ramp
+from .k_policies import linear_ramp
 from .stats import AccumulationStats
 
 if TYPE_CHECKING:

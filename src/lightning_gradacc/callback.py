@@ -32,8 +32,7 @@ from .core import GradAccumulator
 from .core.device_step import disarm
 from .core.validation import AccumulationSettings
 from .counters import check_item_count_fn, count_micro_batch
-from .k_owner import KOwner
-from .lr_scaling import LRScaling
+from .k_policies import make_policy
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
 from .param_groups import optimized_parameters, param_groups_signature
 from .reduction import WindowReduction
@@ -41,11 +40,10 @@ from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from
 from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
 from .reporting import SkipWarnings, step_metrics
 from .saved_state import SavedState
-from .schedule import AccumulationPlan
 from .sharded_sync import check_reduction
 from .stats import AccumulationStats
 from .summary import format_summary
-from .window_driver import ScheduleDriver
+from .window_plan import WindowPlan
 
 # Type-checked against pytorch_lightning's Callback (both namespaces have the same hooks); a plain mixin at
 # run time, so that each namespace's callback class can put its own Callback beside it.
@@ -147,8 +145,8 @@ class GradientAccumulationLogic(_LogicBase):
             schedulers never see it); logged as ``grad_accum/lr_factor``.
 
     Attributes:
-        plan: How K is chosen, as configured (:class:`~lightning_gradacc.schedule.AccumulationPlan`); each
-            fit works on its own copy.
+        plan: The one owner of K (:class:`~lightning_gradacc.window_plan.WindowPlan`): its ``policy`` is how K
+            is chosen, as configured (each fit works on its own copy); its ``position`` where training stands.
         settings: The checked math settings, shared with the core accumulator.
         item_count_fn: The item counter, or ``None``.
         log_stats: Whether statistics are logged.
@@ -189,7 +187,7 @@ class GradientAccumulationLogic(_LogicBase):
         schedule_unit: Literal["epochs", "steps", "items"] = "epochs",
         lr_scaling: Literal["none", "sqrt", "linear"] = "none",
     ) -> None:
-        self._k = KOwner(AccumulationPlan(accumulation_steps, target_batch_size, schedule_unit))
+        self.plan = WindowPlan(make_policy(accumulation_steps, target_batch_size, schedule_unit), lr_scaling)
         self.sharded_reduction = check_reduction(sharded_reduction)
         self.settings = AccumulationSettings.checked(
             scaling=scaling,
@@ -218,8 +216,6 @@ class GradientAccumulationLogic(_LogicBase):
         self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
         self._asks_last = False  # whether a backward must know that it ends the window (set at train start)
         self._batch = _Batch()
-        self._driver: ScheduleDriver | None = None  # the windows of a schedule of steps or items, per fit
-        self._lr_scaling = LRScaling(lr_scaling)
         self._paused_clipping: internals.PausedClipping | None = None  # Lightning's, until the batch ends
         self._skips = SkipWarnings()
         self._grads_read_before_step = True  # by a hook after this callback's: set at train start
@@ -232,16 +228,11 @@ class GradientAccumulationLogic(_LogicBase):
     # ------------------------------------------------------------------------------------ reporting
 
     @property
-    def plan(self) -> AccumulationPlan:
-        """How K is chosen, as configured."""
-        return self._k.plan
-
-    @property
     def stats(self) -> AccumulationStats:
         """A frozen snapshot of the statistics (see :class:`~lightning_gradacc.AccumulationStats`)."""
         if self._accumulator is not None:
             return self._accumulator.stats
-        return AccumulationStats(accumulation_steps=self._k.accumulation_steps())
+        return AccumulationStats(accumulation_steps=self.plan.accumulation_steps)
 
     def summary(self) -> str:
         """The statistics of the last fit as the table ``lightning-gradacc fit`` prints (for scripts).
@@ -251,21 +242,19 @@ class GradientAccumulationLogic(_LogicBase):
             Gradient accumulation summary
         """
         loss = self._accumulator.window_loss if self._accumulator is not None else math.nan
-        schedule = self._driver.describe() if self._driver is not None else None
-        return format_summary(self.stats, loss, self._log_dir, schedule)
+        return format_summary(self.stats, loss, self._log_dir, self.plan.progress())
 
     @property
     def items_consumed(self) -> float | None:
-        """Items of the windows closed so far, over all ranks, in a schedule keyed by steps or items.
+        """Items of the windows closed so far, over all ranks, in a schedule keyed by items.
 
-        Tokens with a token counter; ``None`` without such a schedule (before training: the first fit's
-        ``setup`` starts counting). An LR schedule can be indexed by it.
+        Tokens with a token counter; ``None`` without such a schedule. An LR schedule can be indexed by it.
 
         Example:
             >>> print(GradientAccumulationCallback({0: 1, "1k": 2}, schedule_unit="items").items_consumed)
             None
         """
-        return self._driver.items if self._driver is not None else None
+        return self.plan.items_consumed
 
     @property
     def accumulator(self) -> GradAccumulator | None:
@@ -277,7 +266,7 @@ class GradientAccumulationLogic(_LogicBase):
 
         See the module-level :func:`estimated_stepping_batches`, which finds the callback for you.
         """
-        return self._k.stepping_batches(trainer, counts_samples=self.item_count_fn is None)
+        return self.plan.stepping_batches(trainer, counts_samples=self.item_count_fn is None)
 
     # ------------------------------------------------------------------------------------- set-up
 
@@ -295,31 +284,17 @@ class GradientAccumulationLogic(_LogicBase):
         if self._accumulator is not None and not self._accumulator.window.empty:
             # the last fit raised inside a window: it can never be stepped, and any K may follow
             self._accumulator.reset(set_grads_to_none=True)
-        self._k.start_run(trainer)
-        api, largest = self._api, self._k.largest_k()
-        compat.check_training_step(api, pl_module, largest, self._k.describe())
-        if self.plan.target_batch_size is not None:  # now, so that `configure_optimizers` sees K
-            self._k.resolve_target_early(trainer, api.rank_zero_warn)
-        self._start_driver()
-        self._apply_k(trainer)
+        api, plan = self._api, self.plan
+        plan.start_fit(trainer, api.rank_zero_warn)
+        largest = plan.largest_k()
+        compat.check_training_step(api, pl_module, largest, plan.describe())
         self._go_first(trainer)
         compat.warn_step_hooks_overridden(api, pl_module, largest)
         compat.check_gradient_clip_val(api, trainer, self.settings)
         self._scaler = internals.grad_scaler(trainer)
         compat.check_grad_scaler(api, self._scaler, self.settings.overflow)
-        run = self._k.run
-        assert run is not None
-        compat.check_driven_precision(trainer, run.keyed_by_count or run.target_schedule is not None)
-
-    def _start_driver(self) -> None:
-        """The fit's driver of a schedule keyed by steps or items (a target per stage once resolved)."""
-        run = self._k.run
-        assert run is not None
-        if not run.keyed_by_count or (self._driver is not None and self._driver.plan is run):
-            return
-        previous, self._driver = self._driver, ScheduleDriver(run)
-        if previous is not None:  # a second fit goes on counting (a checkpoint, loaded after `setup`,
-            self._driver.load_state_dict(previous.state_dict())  # replaces this)
+        assert plan.run is not None
+        compat.check_driven_precision(trainer, plan.run.per_window)
 
     def _check_compatibility(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         compat.check_automatic_optimization(pl_module)
@@ -329,12 +304,6 @@ class GradientAccumulationLogic(_LogicBase):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._k.resolve_target_again(trainer, self._api.rank_zero_warn)
-        self._start_driver()  # a target per stage not resolved in `setup`
-        self._apply_k(trainer)
-        compat.check_optimizers(
-            trainer, self._k.largest_k(), self._k.describe(), self.estimated_stepping_batches
-        )
         assert trainer.model is not None
         settings = self.settings
         per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
@@ -351,15 +320,12 @@ class GradientAccumulationLogic(_LogicBase):
             self._api, self._sync.fsdp, self.sharded_reduction, settings, per_micro_batch
         )
         self._build_accumulator(trainer, pl_module, reduce_gradients=self._sync.core_reduces)
+        compat.check_optimizers(
+            trainer, self.plan.largest_k(), self.plan.describe(), self.estimated_stepping_batches
+        )
         if self._sync.core_reduces:
             self._sync.start()
             compat.warn_ddp_comm_hook(self._api, trainer.strategy)
-        run = self._k.run
-        assert run is not None
-        first_k = run.for_count(0) if run.keyed_by_count else run.for_epoch(0) or 1
-        accumulator = self._accumulator
-        assert accumulator is not None
-        self._lr_scaling.attach(trainer.optimizers, lambda: accumulator.accumulation_steps, first_k)
         self._grads_read_before_step = compat.grads_read_before_step(self._api, trainer, pl_module, self)
         self._stepped_on_device = False
         self._go_first(trainer)  # again: another callback may have moved itself in its own `setup`
@@ -373,16 +339,14 @@ class GradientAccumulationLogic(_LogicBase):
     def _build_accumulator(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, reduce_gradients: bool
     ) -> None:
-        k = trainer.accumulate_grad_batches
         world_size = trainer.world_size
         previous = self._accumulator
         if previous is not None:
             previous.remove_hooks()  # its noise-scale hook must not keep measuring
-        compat.warn_noise_scale_unmeasurable(self._api, self.settings, k, world_size)
+        compat.warn_noise_scale_unmeasurable(self._api, self.settings, self.plan.largest_k(), world_size)
         sharded = trainer.model if self._sync.fsdp.sharded else None  # FSDP1's flat slices, FSDP2's gradients
         accumulator = GradAccumulator(  # all-reduces on the default group, as Lightning's DDP does, but
             optimized_parameters(trainer, pl_module),  # without `strategy.reduce`'s barrier before each
-            k,
             world_size=world_size,
             settings=self.settings,
             grad_scaler=self._scaler,
@@ -390,11 +354,10 @@ class GradientAccumulationLogic(_LogicBase):
             reduce_gradients=reduce_gradients,
             accumulate_in_backward=self._accumulate_in_backward and self._sync.gradients_in_backward,
         )
-        # Lightning divides every loss by K (a driven schedule: the window's own, restored from a checkpoint
-        # taken inside one, else set when the next window opens)
-        accumulator.loss_scale = 1.0 / (k if self._driver is None else self._driver.lightning_k)
         self._signature = param_groups_signature(trainer)
-        try:  # lifetime counters survive a second `fit()` and a resume from a checkpoint
+        try:  # K and the loss scale first: a restored window's sums are rescaled to them
+            self.plan.attach(trainer, accumulator, self._api.rank_zero_warn)
+            # lifetime counters survive a second `fit()` and a resume from a checkpoint
             self._saved.restore(accumulator, previous, primary=trainer.global_rank == 0)
         except BaseException:
             accumulator.remove_hooks()  # it will never be used: its noise-scale hooks must not stay
@@ -410,14 +373,7 @@ class GradientAccumulationLogic(_LogicBase):
             self._discard_window(
                 trainer, "the previous epoch ended inside it, e.g. `on_train_batch_start` returned -1"
             )
-        self._apply_k(trainer)
-
-    def _apply_k(self, trainer: pl.Trainer) -> None:
-        """Write the K of the current epoch into the Trainer and the accumulator (none while unresolved)."""
-        k = self._k.apply(trainer)
-        if k is not None and self._accumulator is not None and self._driver is None:  # both raise if a
-            self._accumulator.accumulation_steps = k  # window were open
-            self._accumulator.loss_scale = 1.0 / k
+        self.plan.epoch_start(trainer)
 
     def _follow_param_groups(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Track a parameter group added (or changed) since the last look, e.g. by ``BaseFinetuning``.
@@ -440,8 +396,7 @@ class GradientAccumulationLogic(_LogicBase):
         )
         self._accumulator.reset(set_grads_to_none=True)
         self._sync.fsdp.drop_unsynced()  # and what FSDP holds unsynced (`sharded_reduction="window_end"`)
-        if self._driver is not None:
-            self._driver.window_abandoned()
+        self.plan.window_abandoned()
 
     # --------------------------------------------------------------------------------- per micro-batch
 
@@ -454,16 +409,12 @@ class GradientAccumulationLogic(_LogicBase):
         self._batch = current = _Batch()
         if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
             self._follow_param_groups(trainer, pl_module)  # window measures the new set from its start
-        driver = self._driver
-        if driver is not None:  # a schedule of steps or items: K and Lightning's K, window by window
-            if driver.batch_start(internals.batches_ready(trainer)):
-                accumulator.accumulation_steps = driver.window_k
-                accumulator.loss_scale = 1.0 / driver.lightning_k  # what Lightning divides every loss by
-            self._k.write(trainer, driver.lightning_k)
+        self.plan.batch_start(trainer)  # a window opening here gets its K
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
         if not internals.backward_skipped(trainer):
             if not accumulator.window.empty and lightning_zeroes:
                 self._discard_window(trainer, f"Lightning starts a new window at batch {batch_idx}")
+                self.plan.batch_start(trainer)  # which this batch opens
             elif accumulator.window.empty and not lightning_zeroes:
                 # A window opening where Lightning does not zero the gradients (the batch before was None
                 # from the dataloader, which skips every hook): it must not start from the last one's.
@@ -540,8 +491,8 @@ class GradientAccumulationLogic(_LogicBase):
         if accumulator.device_step is not None:  # a fused optimizer skips (or takes) it on the device
             accumulator.device_step.arm(optimizer)
             self._stepped_on_device = True
-        if self._driver is not None and not current.finalized:  # items: the window's, over ranks
-            self._driver.window_closed(accumulator.last_window_items if self.plan.unit == "items" else 0.0)
+        if not current.finalized:  # items: the window's, over ranks (read if the policy counts them)
+            self.plan.window_closed(lambda: accumulator.last_window_items)
         current.finalized = True
         self._sync.after_step()
         if steps_itself:
@@ -593,8 +544,8 @@ class GradientAccumulationLogic(_LogicBase):
         ``lr_factor`` only with ``lr_scaling``.
         """
         logged = step_metrics(self._accumulator, noise_scale=self.settings.noise_scale)
-        if self._lr_scaling.active and logged:
-            logged["grad_accum/lr_factor"] = self._lr_scaling.factor
+        if self.plan.lr_scaling != "none" and logged:
+            logged["grad_accum/lr_factor"] = self.plan.lr_factor
         return logged
 
     def _resume_clipping(self) -> None:
@@ -607,7 +558,7 @@ class GradientAccumulationLogic(_LogicBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self._resume_clipping()
-        self._lr_scaling.detach()
+        self.plan.interrupted()  # its position stays for a checkpoint saved after this hook
         for optimizer in trainer.optimizers:  # a device step armed for a step that never came
             disarm(optimizer)
         if self._accumulator is not None:  # its open window stays for a checkpoint saved after this hook
@@ -630,9 +581,7 @@ class GradientAccumulationLogic(_LogicBase):
             self._accumulator.remove_hooks()
             if self._stepped_on_device:  # the last steps' skips, and invalid counts held on the device
                 self._warn_of_device_skips(trainer, self._accumulator.stats.skipped_steps)
-        if self._driver is not None:
-            self._driver.window_abandoned()
-        self._lr_scaling.detach()
+        self.plan.end_fit(trainer)
 
     # ------------------------------------------------------------------------------------- checkpoint
 
@@ -644,8 +593,7 @@ class GradientAccumulationLogic(_LogicBase):
         """
         warn = self._api.rank_zero_warn
         entry = SavedState.save(self._accumulator, mid_batch=self._batch.recorded, warn=warn)
-        if self._driver is not None:  # where a schedule of steps or items stands, inside a window too
-            entry["schedule"] = self._driver.state_dict()
+        entry["plan"] = self.plan.state_dict()  # where training stands, inside a window too
         return entry
 
     @override
@@ -653,9 +601,9 @@ class GradientAccumulationLogic(_LogicBase):
         if self._stage not in (None, "fit"):  # validate/test/predict(ckpt_path=...) never train: keep nothing
             return
         self._saved.load(state_dict)
-        schedule = state_dict.get("schedule")
-        if schedule is not None and self._driver is not None:  # Lightning restores callbacks after `setup`
-            self._driver.load_state_dict(schedule)
+        position = state_dict.get("plan", state_dict.get("schedule"))  # "schedule": keyed schedules, 0.2
+        if position is not None:  # Lightning restores callbacks after `setup`
+            self.plan.load_state_dict(position)
 
 
 class GradientAccumulationCallback(GradientAccumulationLogic, pl.Callback):

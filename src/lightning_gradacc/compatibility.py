@@ -323,13 +323,20 @@ def warn_ddp_comm_hook(api: LightningNamespace, strategy: Any) -> None:
 
 
 def warn_noise_scale_unmeasurable(
-    api: LightningNamespace, settings: AccumulationSettings, k: int, world_size: int
+    api: LightningNamespace, settings: AccumulationSettings, largest_k: int | None, world_size: int
 ) -> None:
-    """Warn that ``noise_scale=True`` measures nothing with a single micro-batch per window."""
-    if settings.noise_scale and k * world_size < 2:
+    """Warn that ``noise_scale=True`` measures nothing when no window can hold 2 micro-batches.
+
+    Args:
+        api: The Trainer's namespace.
+        settings: The callback's settings.
+        largest_k: The largest K of the fit (``None``: a target batch size not resolved yet).
+        world_size: The ranks.
+    """
+    if settings.noise_scale and (largest_k or 1) * world_size < 2:
         api.rank_zero_warn(
-            f"`noise_scale=True` needs at least 2 micro-batches per window, but K={k} on {world_size}"
-            " rank(s) gives 1: no estimate is made while K stays at 1."
+            f"`noise_scale=True` needs at least 2 micro-batches per window, but K={largest_k or 1} on"
+            f" {world_size} rank(s) gives 1: no estimate is made."
         )
 
 

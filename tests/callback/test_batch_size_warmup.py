@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_gradacc import GradientAccumulationCallback
-from lightning_gradacc.window_driver import window_lightning_k
+from lightning_gradacc.window_plan import window_lightning_k
 from tests import helpers as h
 
 BATCHES = 10  # 40 samples in micro-batches of 4
@@ -21,20 +21,8 @@ def schedule_windows(
     schedule: dict[int, int], *, epochs: int = 1, unit: str = "steps", items_per_batch: int = 4
 ) -> list[list[int]]:
     """Windows of batch indices (of the whole data, epoch after epoch) as the schedule implies."""
-    windows: list[list[int]] = []
-    steps, items = 0, 0
-    for _ in range(epochs):
-        start = 0
-        while start < BATCHES:
-            count = steps if unit == "steps" else items
-            started = [v for t, v in sorted(schedule.items()) if t <= count]
-            k = started[-1] if started else 1
-            window = list(range(start, min(start + k, BATCHES)))
-            windows.append(window)
-            start += len(window)
-            steps += 1
-            items += len(window) * items_per_batch
-    return windows
+    keyed = h.keyed_windows(schedule, BATCHES, epochs=epochs, unit=unit, items=lambda b: items_per_batch)
+    return [window for window, _ in keyed]
 
 
 def fit(callback: GradientAccumulationCallback, epochs: int = 1) -> tuple[h.RegressionModule, object]:
@@ -308,7 +296,7 @@ def test_a_target_batch_size_per_stage_derives_each_stage_k(recwarn: pytest.Warn
     with a warning naming the stage)."""
     callback = GradientAccumulationCallback(target_batch_size={0: 4, 2: 12, 4: 10}, schedule_unit="steps")
     module, _ = fit(callback, epochs=2)
-    assert callback._k.run is not None and callback._k.run.schedule == {0: 1, 2: 3, 4: 3}
+    assert callback.plan.run is not None and callback.plan.run.resolved.schedule == {0: 1, 2: 3, 4: 3}  # type: ignore[attr-defined]
     expected = schedule_windows({0: 1, 2: 3}, epochs=2)
     assert h.max_abs_diff(module.net, h.regression_reference(expected)) < 1e-6
     assert any("10 -> K=3" in str(w.message) for w in recwarn)

@@ -108,7 +108,7 @@ def test_an_adopted_k_is_adopted_again_by_the_next_trainer() -> None:
     module = h.RegressionModule(h.regression_data(40))
     fit(module, callback, accumulate_grad_batches=3)
     assert h.max_abs_diff(module.net, reference(h.windows(10, 3))) < 1e-6
-    assert callback.plan.fixed is None  # the configuration stays what the user gave
+    assert callback.plan.policy.k is None  # the configuration stays what the user gave
 
 
 def test_a_target_batch_size_is_resolved_again_for_the_next_fit() -> None:

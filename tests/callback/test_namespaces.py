@@ -193,4 +193,4 @@ def test_lightnings_cli_accepts_the_lightning_callback() -> None:
         run=False,
     )
     (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, lit.GradientAccumulationCallback)]
-    assert callback.plan.fixed == 4 and callback.settings.scaling == "weighted"
+    assert callback.plan.policy.k == 4 and callback.settings.scaling == "weighted"

@@ -35,9 +35,10 @@ def test_config_parses_and_instantiates(config: Path, tmp_path: Path) -> None:
         expected = raw["accumulation_steps"]
         if isinstance(expected, dict):  # thresholds such as "2k" are read as numbers
             expected = {parse_threshold("accumulation_steps", key): k for key, k in expected.items()}
-        assert (callback.plan.schedule or callback.plan.fixed) == expected
+        policy = callback.plan.policy
+        assert (policy.schedule if isinstance(expected, dict) else policy.k) == expected
     else:
-        assert callback.plan.target_batch_size == raw["target_batch_size"]
+        assert callback.plan.policy.size == raw["target_batch_size"]
     assert callback.settings.max_grad_norm == raw.get("max_grad_norm")
 
 
@@ -65,7 +66,7 @@ def test_every_callback_argument_is_settable_from_yaml(tmp_path: Path) -> None:
     path = tmp_path / "all.yaml"
     path.write_text(yaml.safe_dump(config))
     callback = the_callback(build_cli(["--config", str(path)], run=False), GradientAccumulationCallback)
-    assert callback.plan.schedule == {0: 2, 3: 8}
+    assert callback.plan.policy.schedule == {0: 2, 3: 8}
     assert callback.settings.scaling == "weighted"
     assert callback.item_count_fn.__name__ == "count_samples"
     assert (callback.settings.max_grad_norm, callback.settings.norm_type, callback.settings.clip_value) == (
@@ -90,7 +91,7 @@ def test_every_callback_argument_is_settable_from_yaml(tmp_path: Path) -> None:
 def test_callback_arguments_can_be_overridden_on_the_command_line(override: str) -> None:
     args = ["--config", str(ROOT / "configs/quickstart.yaml"), *override.split(" ")]
     callback = the_callback(build_cli(args, run=False), GradientAccumulationCallback)
-    assert callback.plan.fixed == 8
+    assert callback.plan.policy.k == 8
     assert callback.settings.max_grad_norm == 1.0  # the rest of the config is kept
 
 

@@ -88,7 +88,7 @@ def test_the_namespace_follows_the_model_given(
     assert callback.stats.accumulation_steps == cli.trainer.accumulate_grad_batches == 4
     assert cli.trainer.global_step == 2  # 256 training samples / 32 = 8 micro-batches = 2 windows of 4
     assert "Gradient accumulation summary" in capsys.readouterr().out
-    assert callback.plan.fixed is None  # adopted for this fit, not written into the configuration
+    assert callback.plan.policy.k is None  # adopted for this fit, not written into the configuration
 
 
 @NAMESPACES

@@ -1,0 +1,465 @@
+"""The one owner of K: which K each window runs with, written into Lightning and the core from one place.
+
+K lives in three places that must agree: ``trainer.accumulate_grad_batches`` (Lightning's loops read it:
+where it zeroes, where it steps, what it divides every loss by), the core's ``accumulation_steps`` (when a
+window is full) and its ``loss_scale`` (the 1/K every gradient carries). :class:`WindowPlan` is the only
+writer of all three. It asks its policy (:mod:`~lightning_gradacc.k_policies`) what K a window gets when
+the window opens, owns the position of training (steps, items consumed, the open window's K and
+Lightning's K, batches in the window), saves and restores it, and handles every transition in one place:
+a fit starting, a window opening, a window restored from a checkpoint, a window abandoned, the end of a
+fit. The learning-rate factor, the step estimates and the summary read it.
+
+**Driving Lightning window by window.** Lightning decides by modulo (2.6, ``loops/optimization/automatic.py``,
+``loops/training_epoch_loop.py``): it zeroes the gradients before the backward of batch ``n`` when
+``n % K == 0``, steps after it when ``ready % K == 0`` (``ready``: batches fetched this epoch, ``n + 1``) or
+at the epoch's last batch, and divides the loss by ``K``. A policy that changes K inside an epoch cannot
+keep one K for the fit: the window after a change would start where Lightning does not zero and end where it
+does not step. One K per window drives it exactly: a window of ``L`` batches whose last one is fetched as
+``ready = e`` needs a K that divides ``e`` (the step) and none of ``e - L + 1 .. e - 1`` (no step, and no
+zeroing, inside the window). Any divisor of ``e`` that is at least ``L`` does: the multiple before ``e`` is
+then at most ``e - L``. The smallest such power of two is taken where one exists (Lightning's division of the
+loss, which the core's loss scale undoes at the boundary, is then exact), else the smallest such divisor. A
+window that the epoch's end cuts short still ends there: Lightning steps at the epoch's last batch in any
+case. The window's first batch is zeroed by the callback where Lightning does not.
+
+**The learning rate follows K** (``lr_scaling``): every step's learning rates are multiplied by
+``(K of its window / K of the first window) ** p`` just before ``optimizer.step`` and restored just after it
+(torch's step pre- and post-hooks), so LR schedulers, which set or read ``param_groups[i]["lr"]`` between
+steps, never see the factor.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from . import lightning_internals as internals
+from .core.validation import check_choice
+from .k_policies import KPolicy, TargetBatchSize, stepping_batches
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+    from .core import GradAccumulator
+
+Warn = Callable[[str], Any]
+LRScalingMode = Literal["none", "sqrt", "linear"]
+POWERS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
+
+
+def window_lightning_k(first_ready: int, window_k: int) -> int:
+    """The ``accumulate_grad_batches`` for a whole window of ``window_k`` batches (see the module).
+
+    Args:
+        first_ready: ``ready`` at the window's first batch (Lightning's ``batch_progress.current.ready``).
+        window_k: The window's K.
+
+    Example:
+        >>> window_lightning_k(1, 2), window_lightning_k(3, 3), window_lightning_k(6, 3)  # ends at 2, 5, 8
+        (2, 5, 4)
+    """
+    end = first_ready + window_k - 1
+    power = end & -end  # the largest power of two dividing `end`
+    if power >= window_k:
+        return 1 << max(window_k - 1, 0).bit_length()  # the smallest power of two >= window_k divides `end`
+    for k in range(window_k, end + 1):
+        if end % k == 0:
+            return k
+    return end  # not reached: `end` divides itself and end >= window_k
+
+
+@dataclass
+class Position:
+    """Where training stands: what the policies read, saved with a checkpoint (plain numbers).
+
+    Attributes:
+        steps: Windows closed so far (optimizer steps taken or skipped).
+        items: Items of the windows closed so far, over all ranks (counted when the policy needs them).
+        window_k: K of the open window (or of the last one): the policy's answer when it opened.
+        lightning_k: ``accumulate_grad_batches`` for the open window: what Lightning divides its losses by.
+        batches_in_window: Batches of the open window started so far (0: no window open).
+    """
+
+    steps: int = 0
+    items: float = 0.0
+    window_k: int = 1
+    lightning_k: int = 1
+    batches_in_window: int = 0
+
+
+class WindowPlan:
+    """The only writer of K: Lightning's ``accumulate_grad_batches``, the core's K and its loss scale.
+
+    Args:
+        policy: How K is chosen, as configured (never changed: each fit works on its own copy).
+        lr_scaling: ``"none"``, ``"sqrt"`` or ``"linear"``: every step's learning rates times
+            ``(K_window / K_first) ** p`` with p = 0, 1/2 or 1.
+
+    Attributes:
+        policy: The configured policy.
+        run: The policy of the current fit (``None`` before the first ``setup``).
+        position: Where training stands.
+        lr_factor: The learning-rate factor of the last step (1 before any).
+
+    Example:
+        >>> from lightning_gradacc.k_policies import KeyedSchedule
+        >>> plan = WindowPlan(KeyedSchedule({0: 2, 1: 3}, "steps"))
+        >>> plan.run = plan.policy.for_fit(1)
+        >>> for ready in range(1, 6):  # batches 0-4: windows of 2 and 3
+        ...     _ = plan.open_window(ready) if plan.position.batches_in_window == 0 else None
+        ...     plan.position.batches_in_window += 1
+        ...     if plan.position.batches_in_window == plan.position.window_k:
+        ...         plan.position.steps, plan.position.batches_in_window = plan.position.steps + 1, 0
+        >>> plan.position.steps, plan.position.window_k, plan.position.lightning_k
+        (2, 3, 5)
+    """
+
+    def __init__(self, policy: KPolicy, lr_scaling: Any = "none") -> None:
+        self.policy = policy
+        self.run: KPolicy | None = None
+        self.position = Position()
+        self.lr_scaling = check_choice("lr_scaling", lr_scaling, LRScalingMode)
+        self.lr_factor = 1.0
+        self._power = POWERS[self.lr_scaling]
+        self._trainer: weakref.ref[pl.Trainer] | None = None  # the Trainer K was last written into
+        self._written: int | None = None  # the value last written into it
+        self._user_k: int | None = None  # its `accumulate_grad_batches` as the user set it
+        self._accumulator: GradAccumulator | None = None  # the fit's, once attached
+        self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks (lr_scaling)
+        self._saved_lrs: list[tuple[dict[str, Any], Any]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()  # ddp_spawn pickles the callbacks: a fit's objects stay behind
+        state.update(_trainer=None, _accumulator=None, _hooks=[], _saved_lrs=[])
+        return state
+
+    # ------------------------------------------------------------------------------------------ reading
+
+    @property
+    def _policy(self) -> KPolicy:
+        return self.run if self.run is not None else self.policy
+
+    @property
+    def accumulation_steps(self) -> int:
+        """K of the open (or last) window; before training, the policy's first K (1 if unresolved)."""
+        if self.run is None:
+            return self.policy.first_k() or 1
+        return self.position.window_k
+
+    def largest_k(self) -> int | None:
+        """The largest K of the current fit (``None`` while a target batch size is unresolved)."""
+        return self._policy.largest_k()
+
+    def describe(self) -> str:
+        """How K is chosen, for messages."""
+        return self._policy.describe()
+
+    def progress(self) -> str | None:
+        """Where training stands in a policy that changes K by steps or items (the summary's row)."""
+        return self._policy.progress(self.position.steps, self.position.items)
+
+    @property
+    def items_consumed(self) -> float | None:
+        """Items of the windows closed so far, over all ranks.
+
+        ``None`` before training, or when the fit's policy does not count them.
+        """
+        return self.position.items if self.run is not None and self.run.counts_items else None
+
+    def stepping_batches(self, trainer: pl.Trainer, *, counts_samples: bool = True) -> int | float:
+        """The exact number of optimizer steps of the fit under the policy.
+
+        Args:
+            trainer: The Trainer of the fit.
+            counts_samples: Whether an item is a sample (no ``item_count_fn``): a policy keyed by items is
+                then simulated from the train dataloader's batch sizes; with tokens it cannot be known
+                before the data is read, and ``ValueError`` says so.
+        """
+        lightning_estimate = trainer.estimated_stepping_batches  # loads the train dataloader if needed
+        policy = self._policy
+        batches = trainer.num_training_batches
+        if (
+            policy.constant
+            or policy.first_k() is None  # a target not resolved yet: Lightning's estimate at K=1 (warned)
+            or trainer.max_epochs in (None, -1)
+            or batches == float("inf")
+        ):
+            return lightning_estimate
+        assert trainer.max_epochs is not None
+        items = [0.0] * int(batches)
+        if policy.counts_items:
+            items = self._batch_items(trainer, int(batches), counts_samples)
+        return stepping_batches(policy, items, trainer.max_epochs, trainer.max_steps)
+
+    @staticmethod
+    def _batch_items(trainer: pl.Trainer, batches: int, counts_samples: bool) -> list[float]:
+        """Items of each micro-batch of an epoch, over all ranks, from the train dataloader.
+
+        Each rank reads ``len(sampler)`` samples (a ``DistributedSampler`` pads every rank to the same
+        number), in batches of ``batch_size``; the epoch runs ``batches`` of them (``limit_train_batches``).
+        """
+        loader: Any = trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None)
+        if not counts_samples or not isinstance(batch_size, int):
+            raise ValueError(
+                "The optimizer steps of a schedule keyed by items cannot be counted before training when"
+                " an item is not a sample of a fixed-size micro-batch (an `item_count_fn` counts tokens,"
+                " or the dataloader has no `batch_size`). Build step-interval schedulers from an upper"
+                " bound (e.g. `trainer.estimated_stepping_batches` at the first K) or key the schedule by"
+                " `schedule_unit='steps'`."
+            )
+        sampler = getattr(loader, "sampler", None)
+        per_rank = len(sampler) if hasattr(sampler, "__len__") else None  # type: ignore[arg-type]
+        if per_rank is None or getattr(loader, "drop_last", False):
+            sizes = [batch_size] * batches
+        else:
+            sizes = [max(0, min(batch_size, per_rank - i * batch_size)) for i in range(batches)]
+        return [float(size * trainer.world_size) for size in sizes]
+
+    # -------------------------------------------------------------------------------------- writing
+
+    def _write(self, trainer: pl.Trainer, window_k: int, lightning_k: int) -> None:
+        """The one place K is written: into Lightning, the core's K and its loss scale (1 / Lightning's K)."""
+        self.position.window_k, self.position.lightning_k = window_k, lightning_k
+        trainer.accumulate_grad_batches = lightning_k
+        self._written = lightning_k
+        self._trainer = weakref.ref(trainer)
+        accumulator = self._accumulator
+        if accumulator is not None:
+            accumulator.accumulation_steps = window_k
+            accumulator.loss_scale = 1.0 / lightning_k  # what Lightning divides every loss by
+
+    def _k_now(self, trainer: pl.Trainer) -> int | None:
+        return self._policy.k_at(trainer.current_epoch, self.position.steps, self.position.items)
+
+    # ---------------------------------------------------------------------------------- transitions
+
+    def start_fit(self, trainer: pl.Trainer, warn: Warn) -> None:
+        """A fit starts (``setup``): its own policy, K written before ``configure_optimizers`` reads it.
+
+        A window left open by the last fit (it raised, or was interrupted, inside it) is abandoned: it can
+        never be stepped, and windows never merge. A checkpoint loaded after this restores its own position.
+
+        Raises:
+            ValueError: ``Trainer(accumulate_grad_batches=...)`` contradicts the configured K.
+        """
+        trainer_k = trainer.accumulate_grad_batches
+        ours = self._written if self._trainer is not None and self._trainer() is trainer else None
+        if trainer_k != ours:
+            self._user_k = trainer_k
+        if self.policy.configured and trainer_k not in (1, ours, getattr(self.policy, "k", None)):
+            raise ValueError(
+                f"You have set `Trainer(accumulate_grad_batches={trainer_k})` and"
+                f" `GradientAccumulationCallback({self.policy.describe()})`. The callback owns the"
+                " accumulation factor: remove `accumulate_grad_batches` from the Trainer or set the same"
+                " value."
+            )
+        self.run = self.policy.for_fit(self._user_k or 1)
+        self._accumulator = None
+        self.position.batches_in_window = 0
+        if isinstance(self.run, TargetBatchSize):  # now, so that `configure_optimizers` sees K
+            self._resolve_target_early(trainer, warn)
+        k = self._k_now(trainer)
+        if k is not None:
+            self._write(trainer, k, k)
+
+    def attach(self, trainer: pl.Trainer, accumulator: GradAccumulator, warn: Warn) -> None:
+        """Training starts (``on_train_start``): K written into the fit's new accumulator, LR hooks placed.
+
+        A window restored from a checkpoint goes on with its own K and Lightning's K (a policy keyed by steps
+        or items chose them when it opened); otherwise K is the policy's at the position reached. Call it
+        before the saved window is loaded into ``accumulator`` (its sums are rescaled to the loss scale
+        written here).
+        """
+        if isinstance(self.run, TargetBatchSize):
+            self._resolve_target_again(trainer, warn)
+        self._accumulator = accumulator
+        position = self.position
+        if position.batches_in_window and self._policy.per_window:
+            self._write(trainer, position.window_k, position.lightning_k)
+        else:
+            k = self._k_now(trainer)
+            assert k is not None
+            self._write(trainer, k, k)
+        self._hook_optimizers(trainer.optimizers)
+
+    def epoch_start(self, trainer: pl.Trainer) -> None:
+        """An epoch starts: a window still open there is abandoned; a K per epoch is written."""
+        self.position.batches_in_window = 0
+        if not self._policy.per_window:
+            k = self._k_now(trainer)
+            assert k is not None
+            self._write(trainer, k, k)
+
+    def batch_start(self, trainer: pl.Trainer) -> bool:
+        """A batch starts; returns whether it opens a window.
+
+        A policy that changes K between windows chooses and writes the window's K here. A K per epoch was
+        written when the epoch started and is not written again (another callback may drive Lightning for
+        an epoch of its own: ``StochasticWeightAveraging``'s BatchNorm epoch is one window of every batch).
+        """
+        position = self.position
+        opens = position.batches_in_window == 0
+        if opens and self._policy.per_window:
+            self.open_window(internals.batches_ready(trainer), trainer)
+        position.batches_in_window += 1
+        return opens
+
+    def open_window(self, ready: int, trainer: pl.Trainer | None = None) -> int:
+        """Choose the K of a window whose first batch is fetched as ``ready``; write it (with a Trainer)."""
+        epoch = trainer.current_epoch if trainer is not None else 0
+        k = self._policy.k_at(epoch, self.position.steps, self.position.items)
+        assert k is not None
+        lightning_k = window_lightning_k(ready, k) if self._policy.per_window else k
+        if trainer is not None:
+            self._write(trainer, k, lightning_k)
+        else:
+            self.position.window_k, self.position.lightning_k = k, lightning_k
+        return k
+
+    def window_closed(self, items: Callable[[], float]) -> None:
+        """The open window was finalized (stepped or skipped); ``items()``: its items over all ranks.
+
+        ``items`` is called only when the policy counts items (a host read).
+        """
+        position = self.position
+        position.steps += 1
+        if self._policy.counts_items:
+            position.items += items()
+        position.batches_in_window = 0
+
+    def window_abandoned(self) -> None:
+        """The open window was discarded (an epoch or a fit ended inside it): the next batch opens one."""
+        self.position.batches_in_window = 0
+
+    def end_fit(self, trainer: pl.Trainer) -> None:
+        """The fit ended: a window open there is abandoned, the hooks removed.
+
+        A policy that drove Lightning window by window gives the user's ``accumulate_grad_batches`` back (the
+        driven values are divisors of batch counts, meaningless outside the fit). A K per epoch stays in the
+        Trainer, as Lightning's ``GradientAccumulationScheduler`` leaves it.
+        """
+        self.window_abandoned()
+        self.interrupted()
+        if self._policy.per_window and self._user_k is not None:
+            trainer.accumulate_grad_batches = self._user_k
+            self._written = self._user_k
+
+    def interrupted(self) -> None:
+        """The fit raised: the learning-rate hooks go; the position stays for a checkpoint saved after."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._restore_lrs()
+        self._accumulator = None
+
+    # ---------------------------------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (and what the policy learned), as plain numbers."""
+        return {**asdict(self.position), "policy": self._policy.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position (a checkpoint taken inside a window resumes inside it)."""
+        self.position = Position(
+            steps=int(state["steps"]),
+            items=float(state["items"]),
+            window_k=int(state["window_k"]),
+            lightning_k=int(state["lightning_k"]),
+            batches_in_window=int(state["batches_in_window"]),
+        )
+        self._policy.load_state_dict(state.get("policy") or {})
+
+    # ------------------------------------------------------------------------------ learning rate
+
+    def _hook_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if self._power == 0.0:
+            return
+        for optimizer in optimizers:
+            self._hooks.append(optimizer.register_step_pre_hook(self._scale_lrs))
+            self._hooks.append(optimizer.register_step_post_hook(self._unscale_lrs))
+
+    def _scale_lrs(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        first = self._policy.first_k() or 1
+        self.lr_factor = (self.position.window_k / first) ** self._power
+        if self.lr_factor == 1.0:
+            return
+        for group in optimizer.param_groups:
+            self._saved_lrs.append((group, group["lr"]))
+            group["lr"] = group["lr"] * self.lr_factor
+
+    def _unscale_lrs(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._restore_lrs()
+
+    def _restore_lrs(self) -> None:
+        for group, lr in self._saved_lrs:
+            group["lr"] = lr  # the very object the scheduler set (a float, or a tensor for capturable)
+        self._saved_lrs.clear()
+
+    # ---------------------------------------------------------------------------- target batch size
+
+    def _resolve_target_early(self, trainer: pl.Trainer, warn: Warn) -> None:
+        """Resolve K from the target batch size in ``setup``, so that ``configure_optimizers`` sees it."""
+        try:
+            internals.load_train_data(trainer)  # what `trainer.estimated_stepping_batches` does
+        except Exception as error:  # e.g. data built in LightningModule.setup, which runs after this hook
+            warn(
+                f"`{self.policy.describe()}` could not read the train dataloader in"
+                f" `setup` ({type(error).__name__}: {error}); K is resolved when training starts instead, so"
+                " `trainer.estimated_stepping_batches` in `configure_optimizers` assumes K=1. Build the data"
+                " in `__init__`, `prepare_data` or a LightningDataModule, or set `accumulation_steps`."
+            )
+            return
+        self._resolve_target(trainer, warn)
+
+    def _resolve_target_again(self, trainer: pl.Trainer, warn: Warn) -> None:
+        """Resolve K again at train start: the micro-batch size may have changed (``BatchSizeFinder``)."""
+        run = self.run
+        assert isinstance(run, TargetBatchSize)
+        before = run.first_k()
+        self._resolve_target(trainer, warn)
+        if before not in (None, run.first_k()):
+            warn(
+                f"The micro-batch size changed after `setup` (e.g. `BatchSizeFinder`): K is now"
+                f" {run.first_k()} for `{self.policy.describe()}`;"
+                " `trainer.estimated_stepping_batches` read in `configure_optimizers` used"
+                f" K={before}."
+            )
+
+    def _resolve_target(self, trainer: pl.Trainer, warn: Warn) -> None:
+        run = self.run
+        assert isinstance(run, TargetBatchSize)
+        loader = trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None) or getattr(
+            getattr(loader, "batch_sampler", None), "batch_size", None
+        )
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise RuntimeError(
+                f"`{self.policy.describe()}` needs the micro-batch size, but the train"
+                f" dataloader ({type(loader).__name__}) has no fixed `batch_size`. Use a single DataLoader"
+                " with `batch_size=...` or set `accumulation_steps` instead."
+            )
+        k, effective = run.resolve(batch_size, trainer.world_size)
+        per_window = batch_size * trainer.world_size
+        if run.schedule is not None:  # a size per stage: name the stages that are not multiples
+            uneven = [
+                f"{size} -> K={-(-size // per_window)}" for size in run.schedule.values() if size % per_window
+            ]
+            if uneven:
+                warn(
+                    f"`target_batch_size` stages that are not a multiple of micro-batch size {batch_size} x"
+                    f" {trainer.world_size} rank(s) round up: {', '.join(uneven)}."
+                )
+        elif effective != run.size:
+            warn(
+                f"`{self.policy.describe()}` is not a multiple of micro-batch size"
+                f" {batch_size} x {trainer.world_size} rank(s); using K={k}, an effective batch size of"
+                f" {effective}."
+            )
