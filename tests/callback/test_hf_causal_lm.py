@@ -208,3 +208,75 @@ def test_fused_adamw_with_clipping_equals_the_big_batch_decided_on_the_device(co
         assert callback.stats.clipped_steps == 3 * EPOCHS
     else:  # one token too many per sequence: the window's tokens weighted wrongly
         assert difference > 1e-3
+
+
+# ------------------------------------------------- a token-keyed warmup resumed from inside its windows
+
+WARMUP = {0: 1, 50: 2, 150: 4}  # predicted tokens consumed -> K
+
+
+class ResumableCausalLM(CausalLMModule):
+    """The causal LM with SGD and torchdata's `StatefulDataLoader` (it resumes mid-epoch)."""
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(sequences(), batch_size=BATCH, collate_fn=collate)  # type: ignore[arg-type]
+
+
+def warmup_windows() -> list[tuple[list[int], int]]:
+    """The warmup's windows (micro-batch indices per epoch) with their K, counting predicted tokens."""
+    data = sequences()
+
+    def tokens(b: int) -> float:
+        return float(count_predicted_tokens(collate(data[b * BATCH : (b + 1) * BATCH])))
+
+    return h.keyed_windows(WARMUP, NUM_SEQUENCES // BATCH, epochs=EPOCHS, unit="items", items=tokens)
+
+
+@functools.cache
+def warmup_reference() -> GPT2LMHeadModel:
+    """One SGD step per window on its big batch, with lr x sqrt(K / 1)."""
+    model = tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    data = sequences()
+    for window, k in warmup_windows():
+        rows = [data[b * BATCH + i] for b in window for i in range(BATCH)]
+        optimizer.zero_grad()
+        hf_loss(model, collate(rows), IGNORE_INDEX).backward()
+        optimizer.param_groups[0]["lr"] = LR * k**0.5
+        optimizer.step()
+    return model
+
+
+def _save_points() -> list[int]:
+    """Global micro-batches inside a window: the first window of K=2, of K=4, and the next window of 4."""
+    per_epoch, epoch, starts = NUM_SEQUENCES // BATCH, -1, []
+    for window, k in warmup_windows():
+        epoch += window[0] == 0
+        starts.append((epoch * per_epoch + window[0], len(window), k))
+    first = {k: next(start for start, _, kk in starts if kk == k) for k in (2, 4)}
+    later = next(start for start, length, _ in starts if start > first[4] and length == 4)
+    return [first[2], first[4] + 1, later + 2]
+
+
+@pytest.mark.parametrize("at", _save_points())
+def test_a_token_keyed_warmup_resumes_exactly_from_inside_a_window(tmp_path: Any, at: int) -> None:
+    """The language-model user's warmup (`count_predicted_tokens`, `lr_scaling="sqrt"`), preempted inside a
+    window at three points and resumed from the checkpoint: the big batch of every window, with its K."""
+
+    def callback() -> GradientAccumulationCallback:
+        return GradientAccumulationCallback(
+            WARMUP,
+            schedule_unit="items",
+            scaling="weighted",
+            item_count_fn=count_predicted_tokens,
+            lr_scaling="sqrt",
+        )
+
+    path = tmp_path / "mid.ckpt"
+    h.preempt(ResumableCausalLM(), [callback()], at, path, max_epochs=EPOCHS)
+    resumed = ResumableCausalLM()
+    h.trainer(callbacks=[callback()], max_epochs=EPOCHS).fit(resumed, ckpt_path=path)
+    assert {k for _, k in warmup_windows()} == {1, 2, 4}
+    assert h.max_abs_diff(resumed.model, warmup_reference()) <= TOLERANCE
