@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .core import GradAccumulator, GradientOverflowError
+from .core import AccumulationStats, GradAccumulator, GradientOverflowError
 from .k_policies import linear_ramp
-from .stats import AccumulationStats
 
 if TYPE_CHECKING:
     from .callback import GradientAccumulationCallback, estimated_stepping_batches

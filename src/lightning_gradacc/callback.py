@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from . import compatibility as compat
 from . import lightning_internals as internals
-from .core import GradAccumulator
+from .core import AccumulationStats, GradAccumulator
 from .core.device_step import disarm
 from .core.validation import AccumulationSettings
 from .counters import check_item_count_fn, count_micro_batch
@@ -41,7 +41,6 @@ from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
 from .reporting import SkipWarnings, step_metrics
 from .saved_state import SavedState
 from .sharded_sync import check_reduction
-from .stats import AccumulationStats
 from .summary import format_summary
 from .window_plan import WindowPlan
 

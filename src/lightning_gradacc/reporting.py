@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .core import GradAccumulator
-from .stats import AccumulationStats
+from .core import AccumulationStats, GradAccumulator
 
 # Statistics logged under "grad_accum/" with their own names (all but the open window's micro-batches).
 NOISE_STATISTICS = ("noise_scale", "grad_sq_norm_estimate", "trace_sigma_estimate")  # with noise_scale=True

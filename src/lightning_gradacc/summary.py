@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .stats import AccumulationStats
+from .core import AccumulationStats
 
 
 def _bytes(value: int) -> str:

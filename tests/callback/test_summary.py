@@ -52,7 +52,7 @@ def test_the_summary_gives_the_noise_scale_its_unit_or_says_it_has_none(
 def test_the_summary_says_which_side_of_the_noise_scale_the_run_is_on(
     noise: float, items: float, expected: str
 ) -> None:
-    from lightning_gradacc.stats import AccumulationStats
+    from lightning_gradacc import AccumulationStats
     from lightning_gradacc.summary import format_summary, noise_sentence
 
     stats = AccumulationStats(items_last_step=items, noise_scale=noise)

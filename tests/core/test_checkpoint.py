@@ -13,8 +13,7 @@ from torch import nn
 
 from lightning_gradacc import GradAccumulator
 from lightning_gradacc.core.checkpoint import FORMAT_VERSION
-from lightning_gradacc.core.ledger import COUNTERS
-from lightning_gradacc.core.stats import AccumulationStats
+from lightning_gradacc.core.statistics import COUNTERS, AccumulationStats
 from tests.helpers import linear_accumulator, linear_backward, run_plain_loop
 
 SAVED_STATE = {

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_gradacc import GradAccumulator
+from lightning_gradacc.core.window import SUMMED
 
 
 def test_tensor_item_count_is_checked_at_the_boundary() -> None:
@@ -73,8 +74,9 @@ def test_a_bad_count_on_another_rank_raises_on_this_rank_too() -> None:
     """The decision is taken on the window's totals summed over ranks, so no rank is left waiting."""
 
     def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.numel() == 5:  # the window's totals: the other rank adds 4 items and 1 invalid count
-            tensor += torch.tensor([4.0, 1.0, 0.0, 0.0, 1.0], dtype=tensor.dtype)
+        if tensor.numel() == len(SUMMED):  # the window's totals: the other rank adds 4 items, 1 invalid count
+            other = {"items": 4.0, "weights": 1.0, "bad_items": 1.0}
+            tensor += torch.tensor([other.get(name, 0.0) for name in SUMMED], dtype=tensor.dtype)
         else:  # the reference count: the other rank's first count is the same
             tensor *= 2
         return tensor

@@ -1,7 +1,8 @@
-"""A window's states, checked state by state, and its loss scale.
+"""A window's states, checked state by state, its loss scale, and its quantities declared once.
 
 On its own and as the accumulator moves from window to window; the loss scale is told only while the window is
-empty and divided out at the boundary.
+empty and divided out at the boundary. The tally's totals, the all-reduce packet, the host copy and a saved
+window follow the one declaration of the quantities.
 """
 
 from __future__ import annotations
@@ -13,7 +14,18 @@ import torch
 from torch import nn
 
 from lightning_gradacc.core.accumulator import GradAccumulator
-from lightning_gradacc.core.window import Window, WindowClosedError, WindowState
+from lightning_gradacc.core.statistics import Ledger
+from lightning_gradacc.core.window import (
+    NAMES,
+    QUANTITIES,
+    SUMMED,
+    Measurement,
+    Window,
+    WindowClosedError,
+    WindowState,
+    WindowTally,
+    mean_loss,
+)
 from tests.helpers import F64, INF, linear_accumulator, linear_backward
 
 
@@ -147,3 +159,65 @@ def test_loss_scale_is_divided_out(scaling: str) -> None:
     for got, want in zip(grads[1], grads[0], strict=True):
         assert torch.equal(got, want)  # powers of two: exact
     assert losses[1] == losses[0] and math.isfinite(losses[0])  # the loss statistic is unscaled too
+
+
+# ------------------------------------------------------------------------------ the declared quantities
+
+
+def test_every_declared_quantity_is_totalled_saved_and_restored_by_name() -> None:
+    tally = WindowTally(torch.device("cpu"), F64)
+    tally.record(4.0, torch.tensor(2.0))
+    tally.record(torch.tensor(2.0), torch.tensor(5.0), keep=torch.tensor(True), weight=torch.tensor(0.5))
+    tally.add("micro_clips", torch.tensor(1.0))
+    tally.add("dropped", 1.0)
+    tally.note("the count of batch 3 is -1", None)
+    totals = tally.totals()
+    assert set(totals) == set(NAMES)
+    assert {name: float(value) for name, value in totals.items()} == {
+        "items": 6.0,
+        "weights": 0.5,
+        "loss_sum": 4.0 * 2.0 + 2.0 * 5.0,
+        "loss_weight": 6.0,
+        "bad_items": 1.0,
+        "micro_clips": 1.0,
+        "dropped": 1.0,
+    }
+    doubled = tally.saved(lambda tensor: tensor * 2)  # an all-reduce over two equal ranks
+    assert set(doubled) == set(NAMES)
+    assert all(doubled[name] == 2 * float(totals[name]) for name in SUMMED)
+    assert doubled["dropped"] == 1.0  # agreed on every rank: not summed
+    restored, other_rank = WindowTally(torch.device("cpu"), F64), WindowTally(torch.device("cpu"), F64)
+    restored.restore(doubled, rescale=0.5, primary=True)
+    other_rank.restore(doubled, rescale=0.5, primary=False)
+    scaled = {q.name for q in QUANTITIES if q.scaled}
+    assert restored.host == {n: doubled[n] * (0.5 if n in scaled else 1.0) for n in NAMES}
+    assert other_rank.host == {n: (1.0 if n == "dropped" else 0.0) for n in NAMES}
+
+
+def test_the_host_copy_takes_every_device_value_in_one_call_and_keeps_host_values() -> None:
+    calls: list[int] = []
+
+    def sync(*values: torch.Tensor) -> list[object]:
+        calls.append(len(values))
+        return [v.tolist() for v in values]
+
+    totals = {"items": torch.tensor(12.0), "weights": 3.0, "bad_items": torch.tensor(0.0), "dropped": 0.0}
+    measured = Measurement({**totals, "micro_clips": torch.tensor(1.0)}, torch.tensor([3.0, 4.0]))
+    host = measured.to_host(sync)
+    assert calls == [4]  # one copy of the four device values
+    assert [host[name] for name in ("items", "weights", "bad_items", "micro_clips")] == [12.0, 3.0, 0.0, 1.0]
+    assert host.tensor_norms == [3.0, 4.0] and host.l2_norm is None
+    assert host.to_host(sync) is host and calls == [4]  # nothing left on the device: no copy
+
+
+def test_the_statistics_copy_the_packet_with_their_pending_values() -> None:
+    ledger = Ledger(torch.float64)
+    ledger.fold({"last_grad_norm": torch.tensor(2.5, dtype=torch.float64)})
+    host = Measurement({"items": torch.tensor(8.0), "weights": 1.0})
+    assert host.to_host(ledger.sync)["items"] == 8.0
+    assert ledger.values()["last_grad_norm"] == 2.5  # folded in the same copy
+
+
+def test_the_mean_loss_is_nan_without_a_loss() -> None:
+    assert mean_loss(6.0, 3.0, 0.5) == 4.0
+    assert mean_loss(0.0, 0.0, 1.0) != mean_loss(0.0, 0.0, 1.0)  # nan

@@ -22,8 +22,7 @@ from .accumulator import GradAccumulator
 from .boundary import apply_, clip_grads_, decide, measure
 from .errors import GradientOverflowError
 from .kernels import clamp_, group_by_device_and_dtype, scale_, total_norm
-from .memory import PeakMemory
-from .stats import AccumulationStats
+from .statistics import AccumulationStats, PeakMemory
 from .store import WindowGradients
 from .weighting import ItemCount, ItemWeighting
 from .window import Window, WindowClosedError, WindowState

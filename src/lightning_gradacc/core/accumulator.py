@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .accounts import RunAccounts
 from .boundary import Decision, Norms, apply_, decide, normalization
 from .buffers import GradBuffers
 from .checkpoint import check_open_window, restore_open_window, save_open_window
@@ -33,17 +32,15 @@ from .errors import GradientOverflowError
 from .grad_hooks import BufferHooks
 from .gradient_scale import GradientScale
 from .kernels import GroupKey, combine_norms, non_finite_names
-from .measurement import Measurement, mean_loss
 from .micro_batch import MicroBatchIntake
 from .noise import NoiseScale, NoNoiseScale
 from .parameters import NamedParameters, TrackedParameters
 from .scalars import Flag, Scalar, as_scalar, both, either, negate
-from .stats import AccumulationStats
+from .statistics import AccumulationStats, RunStatistics
 from .store import WindowGradients
-from .tally import WindowTotals
 from .validation import AccumulationSettings, check_positive_int
 from .weighting import ItemCount, ItemWeighting
-from .window import Window
+from .window import LOSS, SUMMED, Measurement, Window, mean_loss
 from .world import AllReduce, World
 
 
@@ -247,7 +244,7 @@ class GradAccumulator:
                 f" but got accumulation_dtype={dtype} with {'sharded' if tracked.sharded else 'plain'}"
                 " parameters."
             )
-        self._accounts = RunAccounts(self.device, self._ledger_dtype)
+        self._statistics = RunStatistics(self.device, self._ledger_dtype)
         self._noise: NoiseScale | NoNoiseScale = NoNoiseScale()
         if settings.noise_scale:
             if tracked.sharded:
@@ -321,7 +318,7 @@ class GradAccumulator:
             self._arm_hooks(False)
             self._watch_backward()  # a parameter unfrozen since the last window is hooked now
         if self.settings.noise_scale:  # the noise scale hooks only the windows it measures
-            measured = self._accounts.windows % self.settings.noise_scale_every == 0
+            measured = self._statistics.windows % self.settings.noise_scale_every == 0
             self._noise.open_window(measured, self.parameters)
         return Window(buffered=self._buffers is not None, device=self.device, dtype=self._ledger_dtype)
 
@@ -568,13 +565,13 @@ class GradAccumulator:
             window.tally.note(count.problem, count.check)
         to_buffers = window.new_gradients_to_buffers
         keep = self._intake.absorb(window, count) if to_buffers and self._intake is not None else None
-        window.tally.add(count.items, loss, keep, count.weight if self._weighting.weighted else None)
+        window.tally.record(count.items, loss, keep, count.weight if self._weighting.weighted else None)
         if self.settings.noise_scale:
             self._noise.record_micro_batch(
                 count.items, count.weight, self._scale.value, reevaluation=reevaluation
             )
         window.record_micro_batch(in_buffers=to_buffers)
-        self._accounts.micro_batch_recorded(reevaluation=reevaluation)
+        self._statistics.record_micro_batch(reevaluation=reevaluation)
 
     def flush_to_grad(self) -> None:
         """Write the buffered window into ``.grad`` so that the next backward adds to it.
@@ -732,7 +729,7 @@ class GradAccumulator:
         measured.tensor_norms = _stacked(each, self.device)
         if each_largest is not None:
             measured.tensor_largest = _stacked(each_largest, self.device)
-        measured.to_host(self._accounts.ledger.sync)
+        measured.to_host(self._statistics.sync)
         wide = torch.float64 if any(dtype == torch.float64 for _, dtype in grads) else torch.float32
         norms = Norms.on_host(
             measured.tensor_norms,  # type: ignore[arg-type]
@@ -749,29 +746,15 @@ class GradAccumulator:
         """
         _, all_reduce = self._ranks
         totals = window.tally.totals(with_loss=all_reduce is not None)
-        noise = self._noise.close_window(self.parameters) if self.settings.noise_scale else None
-        loss: tuple[Scalar, Scalar] | tuple[None, None] = (None, None)
-        if all_reduce is not None:
-            packed = torch.stack([self._scalar(value) for value in totals.values()])
-            if noise is not None:  # three more scalars in the same all-reduce
-                packed = torch.cat([packed, noise])
-            reduced = all_reduce(packed)
-            items, weights, loss_sum, loss_weight, bad_items = reduced[:5].unbind()
-            noise = reduced[5:] if noise is not None else None
-            loss = (loss_sum, loss_weight)
-            totals = WindowTotals(items, weights, loss_sum, loss_weight, bad_items)
+        noise = self._noise.close_window(self.parameters)
+        if all_reduce is not None:  # the declared packet, and the noise scale's totals in the same call
+            packed = torch.stack([self._scalar(totals[name]) for name in SUMMED])
+            reduced = all_reduce(packed if noise is None else torch.cat([packed, noise]))
+            totals.update(zip(SUMMED, reduced[: len(SUMMED)].unbind(), strict=True))
+            noise = reduced[len(SUMMED) :] if noise is not None else None
         elif read_statistics:
-            loss = window.tally.loss_totals()
-        return Measurement(
-            items=totals.items,
-            weights=totals.weights,
-            bad_items=totals.bad_items,
-            dropped=window.dropped if window.dropped is not None else 0.0,
-            micro_clips=window.micro_clips if window.micro_clips is not None else 0.0,
-            loss_sum=loss[0],
-            loss_weight=loss[1],
-            noise=noise,
-        )
+            totals.update(zip(LOSS, window.tally.loss_totals(), strict=True))
+        return Measurement(totals, noise=noise)
 
     def _decide(self, window: Window, measured: Measurement, norms: Norms) -> tuple[Scalar, Decision]:
         """The normalization factor, and what it and clipping make of the window's sum."""
@@ -779,8 +762,8 @@ class GradAccumulator:
         factor = normalization(
             self.settings.scaling,
             window.micro_batches,
-            dropped=measured.dropped,
-            weights=measured.weights,
+            dropped=measured["dropped"],
+            weights=measured["weights"],
             loss_scale=self._scale.loss_scale,
             world_size=world_size,
         )
@@ -810,28 +793,28 @@ class GradAccumulator:
             ValueError: an item count of the window was invalid (on every rank: the counts are summed).
             GradientOverflowError: ``overflow="raise"`` and the gradient is not finite.
         """
-        has_items: Flag = measured.weights > 0 if self._weighting.weighted else True
-        live = both(decision.finite, measured.dropped < window.micro_batches)
+        has_items: Flag = measured["weights"] > 0 if self._weighting.weighted else True
+        live = both(decision.finite, measured["dropped"] < window.micro_batches)
         skips = self._scale.scaler is not None or self.settings.overflow in ("skip", "skip_micro_batch")
         gradient_scale = self._scale.value()
         window_loss: Scalar | Callable[[], Scalar]
-        if measured.loss_sum is not None and measured.loss_weight is not None:
-            window_loss = mean_loss(measured.loss_sum, measured.loss_weight, gradient_scale)
+        if measured["loss_sum"] is not None and measured["loss_weight"] is not None:
+            window_loss = mean_loss(measured["loss_sum"], measured["loss_weight"], gradient_scale)
         else:  # computed only if it is read before the next window closes
 
             def window_loss() -> Scalar:
                 return mean_loss(*window.tally.loss_totals(), gradient_scale)
 
-        self._accounts.close_window(
+        self._statistics.close_window(
             {
                 "non_finite_windows": negate(decision.finite),
-                "dropped_micro_batches": measured.dropped,
+                "dropped_micro_batches": measured["dropped"],
                 "skipped_steps": both(negate(live), has_items) if skips else False,
                 "empty_windows": negate(has_items),
-                "clipped_steps": either(decision.clipped, measured.micro_clips > 0),
+                "clipped_steps": either(decision.clipped, measured["micro_clips"] > 0),
                 "last_grad_norm": decision.norm,
-                "items_last_step": measured.items,
-                **({"items_last_full_step": measured.items} if self.window_full else {}),
+                "items_last_step": measured["items"],
+                **({"items_last_full_step": measured["items"]} if self.window_full else {}),
                 "window_loss": window_loss,
                 **self._noise_statistics(window, measured, decision, factor),
             },
@@ -839,8 +822,8 @@ class GradAccumulator:
             reevaluation=reevaluation,
         )
         world_size, _ = self._ranks
-        self._weighting.rebase(measured.items, window.micro_batches * world_size)
-        return self._keeps_step(window, live, has_items, measured.bad_items, sums, reevaluation, on_device)
+        self._weighting.rebase(measured["items"], window.micro_batches * world_size)
+        return self._keeps_step(window, live, has_items, measured["bad_items"], sums, reevaluation, on_device)
 
     def _noise_statistics(
         self, window: Window, measured: Measurement, decision: Decision, factor: Scalar
@@ -858,7 +841,7 @@ class GradAccumulator:
             norm,
             micro_batches=window.micro_batches,
             summed=self.settings.scaling == "sum",
-            items=measured.items,
+            items=measured["items"],
         )
 
     def _keeps_step(
@@ -881,13 +864,13 @@ class GradAccumulator:
             )
         flags = (live if self._decides_on_host else True, has_items, bad_items)
         if any(isinstance(flag, Tensor) for flag in flags):  # counts summed over ranks, overflow ignored
-            keeps_step, has_any, bad = self._accounts.ledger.sync(*(self._scalar(flag) for flag in flags))
+            keeps_step, has_any, bad = self._statistics.sync(*(self._scalar(flag) for flag in flags))
         else:
             keeps_step, has_any, bad = (float(flag) for flag in flags)
         if bad:
             raise ValueError(self._invalid_count_message(window, int(bad)))
         if has_any and not keeps_step and self.settings.overflow == "raise" and self._scale.scaler is None:
-            step = self._accounts.windows - (0 if reevaluation else 1)
+            step = self._statistics.windows - (0 if reevaluation else 1)
             named = [(n, t) for n, t in zip(self._tracked.names, sums.sources, strict=True) if t is not None]
             raise GradientOverflowError(step, non_finite_names(named))
         return bool(keeps_step and has_any)
@@ -903,8 +886,8 @@ class GradAccumulator:
         keep = both(live, has_items)
         if isinstance(bad_items, Tensor):
             keep = both(keep, bad_items == 0)
-            step = self._accounts.windows - 1
-            self._accounts.ledger.hold_check(bad_items, lambda count: self._held_count_message(step, count))
+            step = self._statistics.windows - 1
+            self._statistics.hold_check(bad_items, lambda count: self._held_count_message(step, count))
         if not isinstance(keep, Tensor):
             return as_scalar(0.0 if keep else 1.0, self.device, torch.float32)
         return (~keep).to(torch.float32)
@@ -950,7 +933,7 @@ class GradAccumulator:
     def _close_empty(self, reevaluation: bool) -> bool:
         """Close a window in which no micro-batch was recorded: no step (counted in ``empty_windows``)."""
         self._tracked.set_grads_to_none()  # e.g. stale gradients of an earlier window: nothing to step with
-        self._accounts.close_empty_window(reevaluation=reevaluation)
+        self._statistics.close_empty_window(reevaluation=reevaluation)
         self._window.close()
         self._window = self._new_window()
         return False
@@ -1035,7 +1018,7 @@ class GradAccumulator:
     @property
     def stats(self) -> AccumulationStats:
         """A frozen snapshot of the statistics (syncs once if a window closed since the last read)."""
-        return self._accounts.snapshot(
+        return self._statistics.snapshot(
             accumulation_steps=self._accumulation_steps,
             open_window_micro_batches=self._window.micro_batches,
             num_parameters=self._tracked.num_parameters(),
@@ -1045,28 +1028,28 @@ class GradAccumulator:
     @property
     def last_window_items(self) -> float:
         """Items of the last window closed, over ranks (a host read: syncs if the step did not)."""
-        return self._accounts.ledger.values(deferred=False)["items_last_step"]
+        return self._statistics.value("items_last_step")
 
     @property
     def window_loss(self) -> float:
         """Item-weighted mean loss of the last window, over ranks (``nan`` if no loss was recorded)."""
-        return self._accounts.window_loss
+        return self._statistics.window_loss
 
     def state_dict(self) -> dict[str, Any]:
         """Counters as plain numbers (loadable with ``torch.load(weights_only=True)``)."""
         return {
-            **self._accounts.state_dict(),
+            **self._statistics.state_dict(),
             "accumulation_steps": self._accumulation_steps,
             **({"noise": self._noise.state_dict()} if isinstance(self._noise, NoiseScale) else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore counters saved by :meth:`state_dict`; nothing changes if they do not fit."""
-        self._accounts.check_state(state)
+        self._statistics.check_state(state)
         noise = state.get("noise")
         if isinstance(self._noise, NoiseScale) and noise is not None:
             self._noise.load_state_dict(noise)  # the averages go on where the saved run left them
-        self._accounts.load_state_dict(state)
+        self._statistics.load_state_dict(state)
 
     # ---------------------------------------------------------------------------------- open window
 

@@ -19,25 +19,15 @@ from torch import Tensor
 from .buffers import GradBuffers
 from .gradient_scale import GradientScale
 from .parameters import TrackedParameters
-from .scalars import as_scalar
 from .shards import as_sharded_like, distribute_like, fsdp2_held_back, local_shards
 from .weighting import ItemWeighting
-from .window import Window, WindowState
+from .window import NAMES, Window, WindowState
 from .world import World
 
 FORMAT_VERSION = 3
-# what a saved window must hold besides its version, kind, ranks and tensors
-_WINDOW_KEYS = (
-    "micro_batches",
-    "items",
-    "weights",
-    "loss_sum",
-    "loss_weight",
-    "micro_clips",
-    "bad_items",
-    "loss_scale",
-    "amp_scale",
-)
+# what a saved window must hold besides its version, kind, ranks and tensors: its micro-batches, its
+# quantities (as the window declares them) and the scales its sums carry
+_WINDOW_KEYS = ("micro_batches", *NAMES, "loss_scale", "amp_scale")
 
 
 def check_window_state(
@@ -200,26 +190,13 @@ def save_open_window(
             continue
         local = tensor.detach() if tensor is not None else torch.zeros_like(param, dtype=dtype)
         tensors[name] = summed(local).cpu()
-    totals = window.tally.totals()
-    micro_clips = window.micro_clips if window.micro_clips is not None else 0.0
-    dtype = window.tally.dtype
-    counters = torch.stack(
-        [as_scalar(value, tracked.device, dtype) for value in (*totals.values(), micro_clips)]
-    )
-    items, weights, loss_sum, loss_weight, bad_items, micro_clips = summed(counters).tolist()
     return {
         "version": FORMAT_VERSION,
         "kind": "buffers" if in_buffers else "grads",
         "world_size": world_size,
         "micro_batches": window.micro_batches,
-        "dropped": float(window.dropped) if window.dropped is not None else None,  # the same on every rank
-        "items": items,
-        "weights": weights,
+        **window.tally.saved(summed),  # each quantity, summed over ranks where the ranks' parts differ
         **weighting.state_dict(),
-        "loss_sum": loss_sum,
-        "loss_weight": loss_weight,
-        "micro_clips": micro_clips,
-        "bad_items": bad_items,
         **scale.state_dict(),
         "tensors": tensors,
         "sharded": sharded,  # whole gradients of sharded parameters: every rank takes its shard at load
@@ -289,21 +266,11 @@ def restore_open_window(
             saved.append(saved_tensors[name].to(param.device) * rescale)
         else:
             saved.append(torch.zeros_like(param, dtype=expected[name][1]))
-    tally = window.tally
-    if primary:
-        tally.host_items = float(state["items"])
-        tally.host_weights = float(state["weights"])
-        tally.host_loss_sum = float(state["loss_sum"]) * rescale  # in the gradients' units
-        tally.host_loss_weight = float(state["loss_weight"])
-        if state["micro_clips"]:
-            window.micro_clips = float(state["micro_clips"])
-        tally.host_bad = float(state["bad_items"])
+    window.tally.restore(state, rescale=rescale, primary=primary)
     weighting.load_state_dict(state)
     if buffers is not None:
         buffers.load(saved)
     else:
         for (_, param), tensor in zip(tracked.named, saved, strict=True):
             param.grad = tensor
-    if state.get("dropped") is not None:
-        window.dropped = as_scalar(state["dropped"], tracked.device, tally.dtype)
     window.restored(in_buffers=buffers is not None, micro_batches=int(state["micro_batches"]))

@@ -84,7 +84,7 @@ class MicroBatchIntake:
                 bad = all_reduce(bad.reshape(1)).reshape(())
             keep = bad == 0
             dropped = bad.clamp(max=1)
-            window.dropped = dropped if window.dropped is None else window.dropped + dropped
+            window.tally.add("dropped", dropped)
         if settings.clip_mode == "micro_batch":
             assert settings.max_grad_norm is not None
             # undo the loss's weight and scale; a weight of 0 leaves a zero gradient, nothing to clip
@@ -96,6 +96,6 @@ class MicroBatchIntake:
             factor = (weight.to(norm.dtype) * self.scale.value()).abs().clamp(min=1e-30)
             decision = decide(norm / factor, max_norm=settings.max_grad_norm)
             clipped = (decision.clipped & finite).to(self.dtype)
-            window.micro_clips = clipped if window.micro_clips is None else window.micro_clips + clipped
+            window.tally.add("micro_clips", clipped)
             multiplier = torch.where(finite, decision.multiplier, 1.0)  # type: ignore[arg-type]
         return keep, multiplier

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from .scalars import Scalar, as_scalar
-from .tally import InvalidCount
 from .validation import check_item_count
+from .window import InvalidCount
 from .world import World
 
 

@@ -1,20 +1,60 @@
-"""The ledger of statistics against a fold written out.
-
-Host and device values in any order, counted or not, synced every ``MAX_PENDING`` windows, deferred values
-computed once when read, and loading by name.
-"""
+"""RunStatistics, the run's statistics in one part: the ledger of per-window statistics against a fold
+written out, the lifetime counters and their saved form, the process's memory peak, and the snapshot."""
 
 from __future__ import annotations
 
 import math
 import random
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
-from lightning_gradacc.core import ledger as ledger_module
-from lightning_gradacc.core.ledger import COUNTERS, NAMES, STATISTICS, UNMEASURED, Ledger
-from tests.helpers import F32, F64, INF
+from lightning_gradacc import GradAccumulator, GradientAccumulationCallback
+from lightning_gradacc.core import statistics as ledger_module
+from lightning_gradacc.core.statistics import COUNTERS, NAMES, STATISTICS, UNMEASURED, Ledger, RunStatistics
+from tests import helpers as h
+from tests.helpers import F32, F64, INF, linear_accumulator, linear_backward
+
+CPU = torch.device("cpu")
+
+
+def test_a_reevaluated_window_replaces_its_statistics_without_counting_again() -> None:
+    statistics = RunStatistics(CPU, F64)
+    statistics.record_micro_batch(reevaluation=False)
+    statistics.close_window({"last_grad_norm": 2.0, "clipped_steps": True}, micro_batches=1)
+    statistics.record_micro_batch(reevaluation=True)
+    statistics.close_window(
+        {"last_grad_norm": 3.0, "clipped_steps": True}, micro_batches=1, reevaluation=True
+    )
+    stats = statistics.snapshot(accumulation_steps=1)
+    assert (stats.windows, stats.total_micro_batches, stats.clipped_steps) == (1, 1, 1)
+    assert stats.last_grad_norm == 3.0
+
+
+def test_an_empty_window_is_counted_and_has_no_loss() -> None:
+    statistics = RunStatistics(CPU, F64)
+    statistics.close_empty_window()
+    stats = statistics.snapshot(accumulation_steps=4)
+    assert (stats.windows, stats.empty_windows, stats.micro_batches_last_step) == (1, 1, 0)
+    assert math.isnan(statistics.window_loss)
+
+
+def test_the_saved_form_round_trips_and_a_bad_one_changes_nothing() -> None:
+    statistics = RunStatistics(CPU, F64)
+    statistics.record_micro_batch(reevaluation=False)
+    statistics.close_window({"skipped_steps": torch.tensor(True), "window_loss": 0.5}, micro_batches=1)
+    saved = statistics.state_dict()
+    restored = RunStatistics(CPU, F64)
+    restored.load_state_dict(saved)
+    assert restored.snapshot(accumulation_steps=1) == statistics.snapshot(accumulation_steps=1)
+    for bad, message in (({**saved, "version": 2}, "version 2"), ({"version": saved["version"]}, "missing")):
+        with pytest.raises(ValueError, match=message):
+            restored.load_state_dict(bad)
+    assert restored.windows == 1
 
 
 def _oracle_fold(state: dict, window: dict, count: bool) -> None:
@@ -204,3 +244,45 @@ def test_a_held_count_check_raises_at_the_next_sync_after_folding() -> None:
     with pytest.raises(ValueError, match=r"^3 bad \(first\)$"):
         ledger.values()
     assert ledger.fresh and ledger.values()["skipped_steps"] == 2.0  # folded before it raised
+
+
+def _process_peak() -> int:
+    """The kernel's resident-set peak of this process (what a user, `ru_maxrss` or a monitor reads)."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
+def test_the_memory_peak_is_read_and_never_reset_for_the_whole_process() -> None:
+    """A 128 MiB peak made before the accumulator exists is still the process's peak after a fit with the
+    callback logging every step (it used to reset it: a user's own reading fell by the difference)."""
+    big = torch.ones(128 * 2**20 // 4)  # touched, then freed
+    big.add_(1.0)
+    del big
+    peak = _process_peak()
+    accumulator = GradAccumulator(nn.Linear(3, 1).parameters(), 1)
+    assert accumulator.stats.peak_memory_bytes >= peak
+    module = h.RegressionModule(h.regression_data(40))
+    callback = GradientAccumulationCallback(2)
+    h.trainer(callbacks=[callback], logger=h.MetricsRecorder(), log_every_n_steps=1).fit(module)
+    assert _process_peak() >= peak
+    assert callback.stats.peak_memory_bytes >= peak
+
+
+def test_stats_of_a_run_with_skipped_and_empty_windows() -> None:
+    model, accumulator = linear_accumulator(max_grad_norm=1e-3)
+    linear_backward(model, accumulator)
+    linear_backward(model, accumulator)
+    assert accumulator.finalize()  # stepped and clipped
+    linear_backward(model, accumulator, scale=math.nan)
+    linear_backward(model, accumulator)
+    assert not accumulator.finalize()  # not finite: skipped
+    assert model.weight.grad is None
+    assert not accumulator.finalize()  # empty
+    linear_backward(model, accumulator)
+    stats = accumulator.stats
+    assert (stats.windows, stats.skipped_steps, stats.empty_windows, stats.non_finite_windows) == (3, 1, 1, 1)
+    assert stats.steps_taken == 1 == stats.windows - stats.skipped_steps - stats.empty_windows
+    assert stats.clipped_steps == 1 and stats.open_window_micro_batches == 1
+    assert accumulator.window.micro_batches == 1
+    assert stats.as_dict()["steps_taken"] == 1

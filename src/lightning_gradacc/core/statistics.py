@@ -1,0 +1,551 @@
+"""The run's statistics, in one part: what the run has done, per window and over its lifetime.
+
+:class:`RunStatistics` is the one owner, with one interface: count a micro-batch, close a window (its values
+folded in), sync (copy what waits on the device, in one copy with whatever the step needs), hold a check
+found on the device until that sync, read a value, take a snapshot (:class:`AccumulationStats`), and save or
+restore itself as plain numbers (``torch.load(weights_only=True)`` reads them back) under the package's one
+format version.
+
+Each value-dependent statistic is declared once in :data:`STATISTICS` with how it folds over windows
+(``sum``, ``max`` or ``last``); reset, folding, syncing, the snapshot and the checkpoint form are generic over
+that table. Every value is computed from quantities already summed over ranks, so it is the same on every
+rank. A window's values are Python numbers when the accumulator synced anyway (``overflow="skip"`` decides on
+the host), or device scalars otherwise. Device rows wait in a list and are copied to the host in one sync
+when the statistics are read (or every :data:`MAX_PENDING` windows, to bound memory); no kernel runs per
+window for numbers that are already on the host.
+
+The peak memory is the process's (:class:`PeakMemory`): on CUDA the caching allocator's peak
+(``torch.cuda.max_memory_allocated``), on Linux CPUs the kernel's resident-set high-water mark (``VmHWM`` in
+``/proc/self/status``, tens of µs), elsewhere ``getrusage``'s peak or the resident set now. These are
+process-wide counters that the user, Lightning's ``DeviceStatsMonitor`` and profilers read too: a library
+never resets them, so the peak is the one since the process started (or since the user last reset it), not a
+window's. Nothing here synchronizes with a device but :meth:`RunStatistics.sync` and the reads that need it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
+
+import psutil
+import torch
+from torch import Tensor
+
+from .checkpoint import FORMAT_VERSION
+from .scalars import Scalar
+
+
+def _comparable(value: float) -> object:
+    """``nan`` ("not measured") as a value equal to itself, for snapshot equality."""
+    return "nan" if isinstance(value, float) and math.isnan(value) else value
+
+
+@dataclass(frozen=True, eq=False)
+class AccumulationStats:
+    """A snapshot of the accumulator's statistics.
+
+    Attributes:
+        accumulation_steps: Micro-batches per window now (K).
+        open_window_micro_batches: Micro-batches recorded in the window that is still open.
+        windows: Windows closed: stepped, skipped (not finite) or empty (nothing in them).
+        steps_taken: Windows that ended in an optimizer step (``windows - skipped_steps - empty_windows``).
+        total_micro_batches: Micro-batches recorded since creation (re-evaluations by LBFGS not counted).
+        skipped_steps: Windows not stepped because their gradient was not finite (by the accumulator, or
+            by a ``GradScaler``).
+        non_finite_windows: Windows whose accumulated gradient was not finite (skipped or not, depending on
+            ``overflow``).
+        dropped_micro_batches: Micro-batches dropped by ``overflow="skip_micro_batch"``.
+        empty_windows: Windows that took no step because nothing was in them: every ``training_step``
+            returned ``None`` (or backward was skipped, as in ``StochasticWeightAveraging``'s BatchNorm
+            epoch), or ``scaling="weighted"`` counted 0 items in total.
+        clipped_steps: Windows whose gradient clipping changed (with ``clip_mode="micro_batch"``: where it
+            changed some micro-batch's gradient).
+        last_grad_norm: Total gradient norm of the last window, after scaling and before clipping.
+        max_grad_norm_seen: Largest finite ``last_grad_norm`` so far.
+        items_last_step: Items (samples, tokens) in the last window, summed over ranks: the real effective
+            batch size (a float: counts such as ``attention_mask.float().sum()`` need not be integers).
+        items_last_full_step: Items in the last window that held K micro-batches, summed over ranks: what
+            a full optimizer step holds (``items_last_step`` is often an epoch's shorter, last window).
+        micro_batches_last_step: Micro-batches in the last window (k, which is < K for a partial window).
+        num_parameters: Trainable parameter elements tracked: the whole model's, also when FSDP shards it
+            (not this rank's shards).
+        buffer_bytes: Extra memory held by the accumulator (0: gradients accumulate in ``.grad``).
+        peak_memory_bytes: The process's peak memory on the gradients' device so far: the CUDA
+            allocator's peak on GPU (since the process started or the user last called
+            ``torch.cuda.reset_peak_memory_stats``), the process's resident-set peak on CPU. Read when the
+            statistics are read; this package never resets a process-wide counter, so it is not a
+            window's peak.
+        noise_scale: The gradient noise scale B_simple = tr(Σ) / |G|² in items (samples, tokens: what the
+            item counts count), from bias-corrected exponential averages of the two estimates below
+            (``noise_scale=True``; ``nan`` until a window of at least 2 micro-batches gave one). It
+            predicts the critical batch size (McCandlish et al. 2018).
+        grad_sq_norm_estimate: The last window's unbiased estimate of |G|², the squared norm of the true
+            gradient (may be negative: it is a noisy estimate).
+        trace_sigma_estimate: The last window's unbiased estimate of tr(Σ), the summed variance of one
+            item's gradient (may be negative).
+
+    Example:
+        >>> stats = AccumulationStats(accumulation_steps=4, windows=3, skipped_steps=1)
+        >>> stats.steps_taken, stats.as_dict()["accumulation_steps"]
+        (2, 4)
+    """
+
+    accumulation_steps: int = 1
+    open_window_micro_batches: int = 0
+    windows: int = 0
+    total_micro_batches: int = 0
+    skipped_steps: int = 0
+    non_finite_windows: int = 0
+    dropped_micro_batches: int = 0
+    empty_windows: int = 0
+    clipped_steps: int = 0
+    last_grad_norm: float = 0.0
+    max_grad_norm_seen: float = 0.0
+    items_last_step: float = 0.0
+    items_last_full_step: float = 0.0
+    micro_batches_last_step: int = 0
+    num_parameters: int = 0
+    buffer_bytes: int = 0
+    peak_memory_bytes: int = 0
+    noise_scale: float = math.nan
+    grad_sq_norm_estimate: float = math.nan
+    trace_sigma_estimate: float = math.nan
+
+    @property
+    def steps_taken(self) -> int:
+        """Windows that ended in an optimizer step."""
+        return self.windows - self.skipped_steps - self.empty_windows
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field; two snapshots that both did not measure something (``nan``) agree on it."""
+        if not isinstance(other, AccumulationStats):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple[object, ...]:
+        return tuple(_comparable(value) for value in asdict(self).values())
+
+    def as_dict(self) -> dict[str, int | float]:
+        """Return the fields by name, in declaration order, and ``steps_taken``."""
+        values = asdict(self)
+        values["steps_taken"] = self.steps_taken
+        return values
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+_HWM = re.compile(r"VmHWM:\s+(\d+)\s+kB")
+
+
+class PeakMemory:
+    """Reads the peak memory of ``device`` so far (the process's, never reset here).
+
+    Args:
+        device: The device the gradients live on.
+
+    Example:
+        >>> PeakMemory(torch.device("cpu")).read() > 0
+        True
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def read(self) -> int:
+        """The peak in bytes: CUDA allocator peak on GPU, process resident-set peak on CPU."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if sys.platform.startswith("linux"):
+            try:
+                with open("/proc/self/status") as status:
+                    match = _HWM.search(status.read())
+                if match:
+                    return int(match.group(1)) * 1024
+            except OSError:
+                pass
+        if resource is not None:  # kB on Linux, bytes on macOS
+            peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+            return peak if sys.platform == "darwin" else peak * 1024
+        return int(psutil.Process().memory_info().rss)
+
+
+# ------------------------------------------------------------------------------------------ the ledger
+
+Fold = Literal["sum", "max", "last"]
+Deferred = Callable[[], Scalar]  # a "last" value computed only if it is read before the next window
+MAX_PENDING = 1024
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """One value-dependent statistic: its name and how windows fold into it."""
+
+    name: str
+    fold: Fold
+
+
+STATISTICS = (
+    Statistic("skipped_steps", "sum"),
+    Statistic("non_finite_windows", "sum"),
+    Statistic("dropped_micro_batches", "sum"),
+    Statistic("empty_windows", "sum"),
+    Statistic("clipped_steps", "sum"),
+    Statistic("last_grad_norm", "last"),
+    Statistic("max_grad_norm_seen", "max"),
+    Statistic("items_last_step", "last"),
+    Statistic("items_last_full_step", "last"),  # folded by windows of K micro-batches only
+    Statistic("window_loss", "last"),
+    Statistic("noise_scale", "last"),
+    Statistic("grad_sq_norm_estimate", "last"),
+    Statistic("trace_sigma_estimate", "last"),
+)
+UNMEASURED = ("window_loss", "noise_scale", "grad_sq_norm_estimate", "trace_sigma_estimate")  # nan at first
+NAMES = tuple(statistic.name for statistic in STATISTICS)
+COUNTERS = tuple(statistic.name for statistic in STATISTICS if statistic.fold == "sum")
+_FOLD = {statistic.name: statistic.fold for statistic in STATISTICS}
+_COUNTER_SET = frozenset(COUNTERS)
+
+
+def _initial() -> dict[str, float]:
+    """Every statistic before the first window: 0, or ``nan`` for what nothing has measured yet."""
+    return dict.fromkeys(NAMES, 0.0) | dict.fromkeys(UNMEASURED, math.nan)
+
+
+def _fold(fold: Fold, old: float, new: float) -> float:
+    if fold == "sum":
+        return old + new
+    if fold == "max":
+        return new if math.isfinite(new) and not new <= old else old  # a non-finite norm is not a maximum
+    return new
+
+
+class Ledger:
+    """The folded statistics, on the host, plus device rows not yet copied.
+
+    Args:
+        dtype: Dtype of the device rows (float64, or float32 where the device has none).
+
+    Example:
+        >>> ledger = Ledger(torch.float64)
+        >>> ledger.fold({"skipped_steps": 1.0, "last_grad_norm": torch.tensor(2.0)})
+        >>> ledger.fold({"skipped_steps": 0.0, "last_grad_norm": 3.0})
+        >>> ledger.values()["skipped_steps"], ledger.values()["max_grad_norm_seen"]
+        (1.0, 3.0)
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._host = _initial()
+        # windows not folded yet: (host values, names of device values, their stacked row)
+        self._pending: list[tuple[dict[str, float], tuple[str, ...], Tensor]] = []
+        self._deferred: dict[str, Deferred] = {}  # the newest value of a "last" field, not computed yet
+        # invalid item counts found on the device, with the error to raise once they are copied
+        self._held: tuple[Tensor, Callable[[int], str]] | None = None
+
+    def fold(self, window: Mapping[str, Scalar | Deferred], *, count: bool = True) -> None:
+        """Fold one window's values in; ``max_grad_norm_seen`` follows ``last_grad_norm``.
+
+        Args:
+            window: A value for some statistics (the others: 0 for counters, unchanged otherwise). A
+                ``"last"`` statistic may be given as a function, called only if it is read before a newer
+                value arrives (the window loss costs kernels no one may ever read).
+            count: ``False`` for a window evaluated again (LBFGS): counters do not advance.
+        """
+        host: dict[str, float] = {}
+        device: dict[str, Tensor] = {}
+        for name, value in window.items():
+            if name in self._deferred:
+                del self._deferred[name]
+            if not count and name in _COUNTER_SET:
+                continue
+            if isinstance(value, Tensor):
+                device[name] = value
+            elif callable(value):
+                assert _FOLD[name] == "last", name
+                self._deferred[name] = value
+            else:
+                host[name] = float(value)
+        if "last_grad_norm" in host:
+            host["max_grad_norm_seen"] = host["last_grad_norm"]
+        elif "last_grad_norm" in device:
+            device["max_grad_norm_seen"] = device["last_grad_norm"]
+        if not device and not self._pending:
+            self._fold_host(host)
+            return
+        row = self._stack(list(device.values())) if device else torch.empty(0)
+        self._pending.append((host, tuple(device), row))
+        if len(self._pending) >= MAX_PENDING:
+            self.sync()
+
+    def _stack(self, scalars: list[Tensor]) -> Tensor:
+        """One vector from device scalars (``torch.stack`` promotes their dtypes), in the ledger's dtype."""
+        vector = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in scalars])
+        return vector if vector.dtype == self.dtype else vector.to(self.dtype)
+
+    def _fold_host(self, values: Mapping[str, float]) -> None:
+        for name, value in values.items():
+            self._host[name] = _fold(_FOLD[name], self._host[name], value)
+
+    def hold_check(self, invalid: Tensor, message: Callable[[int], str]) -> None:
+        """Keep a device count of invalid item counts until the next sync, which raises if it is not 0.
+
+        For a step decided on the device: its invalid counts skipped it there, and the error waits for the
+        next read of the statistics (the same step on every rank: the counts were summed over ranks).
+
+        Args:
+            invalid: The window's count of invalid item counts (a device scalar).
+            message: The error's text for a total count (the first held window's is kept).
+        """
+        invalid = invalid.reshape(()).to(self.dtype)
+        if self._held is None:
+            self._held = (invalid, message)
+        else:
+            self._held = (self._held[0] + invalid, self._held[1])
+
+    @property
+    def fresh(self) -> bool:
+        """Whether every window is folded on the host (reading costs no sync)."""
+        return not self._pending and self._held is None
+
+    def sync(self, *extra: Tensor) -> list[Any]:
+        """Copy the pending rows and ``extra`` device scalars or vectors to the host in one sync; fold.
+
+        Everything is on the accumulator's device; ``torch.stack``/``torch.cat`` promote the dtypes.
+
+        Returns:
+            The values of ``extra``: a float for a scalar, a list of floats for a vector.
+
+        Raises:
+            ValueError: A held count of invalid item counts (:meth:`hold_check`) is not 0; the windows are
+                folded first.
+        """
+        held, self._held = self._held, None
+        if held is not None:
+            extra = (*extra, held[0])
+        rows = [row for _, _, row in self._pending if row.numel()]
+        scalars = [t for t in extra if t.dim() == 0]
+        vectors = [t for t in extra if t.dim() != 0]
+        if not extra and not rows:
+            copied: list[float] = []
+        elif len(scalars) == 1 and not vectors and not rows:  # one scalar, one copy
+            copied = [float(scalars[0].item())]
+        else:  # one vector, one copy
+            parts = ([torch.stack(scalars)] if scalars else []) + vectors + rows
+            copied = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        values: list[Any] = []
+        at_scalar, at_vector = 0, len(scalars)
+        for tensor in extra:
+            if tensor.dim() == 0:
+                values.append(copied[at_scalar])
+                at_scalar += 1
+            else:
+                values.append(copied[at_vector : at_vector + tensor.numel()])
+                at_vector += tensor.numel()
+        offset = at_vector
+        for host, names, row in self._pending:
+            device_values = copied[offset : offset + row.numel()]
+            offset += row.numel()
+            self._fold_host({**host, **dict(zip(names, device_values, strict=True))})
+        self._pending.clear()
+        if held is not None:
+            invalid = int(values.pop())
+            if invalid:
+                raise ValueError(held[1](invalid))
+        return values
+
+    def values(self, *, deferred: bool = True) -> dict[str, float]:
+        """Every statistic by name (syncs once if device rows are pending or a deferred value is a tensor).
+
+        ``deferred=False`` leaves deferred values uncomputed (their entries are then stale).
+        """
+        if not self.fresh:
+            self.sync()
+        if not deferred:
+            return dict(self._host)
+        for name, compute in self._deferred.items():
+            value = compute()
+            self._host[name] = float(value.item()) if isinstance(value, Tensor) else float(value)
+        self._deferred.clear()
+        return dict(self._host)
+
+    def __getstate__(self) -> dict[str, object]:  # pickles (ddp_spawn): deferred values are computed first
+        self.values()
+        return self.__dict__.copy()
+
+    def state_dict(self) -> dict[str, float]:
+        """The statistics as plain numbers."""
+        return self.values()
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        """Restore saved statistics (a statistic the state lacks starts from its initial value)."""
+        loaded = _initial()
+        for name, value in state.items():
+            if name in loaded:
+                loaded[name] = float(value)
+        self._host = loaded
+        self._pending.clear()
+        self._deferred.clear()
+        self._held = None
+
+
+# ------------------------------------------------------------------------------------------ the one owner
+
+
+class RunStatistics:
+    """Lifetime counters and per-window statistics of one accumulator: the run's statistics' one owner.
+
+    Args:
+        device: Where device statistics live (and whose memory peak is read).
+        dtype: Their dtype (float64, or float32 where the device has none).
+
+    Attributes:
+        windows: Windows closed so far.
+        total_micro_batches: Micro-batches recorded so far (a re-evaluation counts once).
+        micro_batches_last_step: Micro-batches of the last window closed.
+
+    Example:
+        >>> statistics = RunStatistics(torch.device("cpu"), torch.float64)
+        >>> statistics.record_micro_batch(reevaluation=False)
+        >>> statistics.close_window({"last_grad_norm": 2.0, "window_loss": 0.5}, micro_batches=1)
+        >>> statistics.windows, statistics.total_micro_batches, statistics.window_loss
+        (1, 1, 0.5)
+        >>> statistics.value("max_grad_norm_seen")
+        2.0
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self._ledger = Ledger(dtype)
+        self._memory = PeakMemory(device)  # read when the statistics are read; never reset
+        # counters that never depend on tensor values live on the host
+        self.windows = 0
+        self.total_micro_batches = 0
+        self.micro_batches_last_step = 0
+        self._peak_memory_bytes = 0
+
+    def record_micro_batch(self, *, reevaluation: bool) -> None:
+        """Count a recorded micro-batch (a re-evaluation of the same one counts once)."""
+        if not reevaluation:
+            self.total_micro_batches += 1
+
+    def close_window(
+        self,
+        statistics: Mapping[str, Scalar | bool | Deferred],
+        *,
+        micro_batches: int,
+        reevaluation: bool = False,
+    ) -> None:
+        """Fold one window's statistics (see :data:`STATISTICS`) and count it.
+
+        Args:
+            statistics: The window's values by statistic name (a number, a device scalar, or a function for
+                a ``"last"`` value computed only if it is read before the next window closes).
+            micro_batches: The micro-batches it had.
+            reevaluation: The same window evaluated again (LBFGS): its statistics replace the last ones and
+                no counter advances.
+        """
+        self._ledger.fold(statistics, count=not reevaluation)
+        self.micro_batches_last_step = micro_batches
+        if not reevaluation:
+            self.windows += 1
+
+    def close_empty_window(self, *, reevaluation: bool = False) -> None:
+        """Fold a window in which no micro-batch was recorded (counted in ``empty_windows``)."""
+        self.close_window(
+            {"empty_windows": 1.0, "last_grad_norm": 0.0, "items_last_step": 0.0, "window_loss": math.nan},
+            micro_batches=0,
+            reevaluation=reevaluation,
+        )
+
+    def sync(self, *extra: Tensor) -> list[Any]:
+        """Copy what waits on the device, with ``extra`` device scalars or vectors, in one sync; fold it.
+
+        Returns:
+            The values of ``extra``: a float for a scalar, a list of floats for a vector.
+
+        Raises:
+            ValueError: A count of invalid item counts held by :meth:`hold_check` is not 0.
+        """
+        return self._ledger.sync(*extra)
+
+    def hold_check(self, invalid: Tensor, message: Callable[[int], str]) -> None:
+        """Hold a device count of invalid item counts until the next :meth:`sync`, which raises unless 0.
+
+        For a step decided on the device: its invalid counts skipped it there, and the error waits for the
+        next read of the statistics (the same step on every rank: the counts were summed over ranks).
+        """
+        self._ledger.hold_check(invalid, message)
+
+    def value(self, name: str) -> float:
+        """One statistic on the host (syncs once if windows wait on the device; a deferred one is stale)."""
+        return self._ledger.values(deferred=False)[name]
+
+    @property
+    def window_loss(self) -> float:
+        """Item-weighted mean loss of the last window, over ranks (``nan`` if no loss was recorded)."""
+        return self._ledger.values()["window_loss"]
+
+    def snapshot(self, **current: Any) -> AccumulationStats:
+        """A frozen snapshot of the counters and statistics, with the accumulator's ``current`` facts.
+
+        Syncs once if a window closed since the last read.
+        """
+        ledger = self._ledger.values(deferred=False)
+        ledger.pop("window_loss")  # not a field of the snapshot: see `window_loss`
+        self._peak_memory_bytes = self._memory.read()  # the process's peak so far (a file read)
+        return AccumulationStats(
+            windows=self.windows,
+            total_micro_batches=self.total_micro_batches,
+            micro_batches_last_step=self.micro_batches_last_step,
+            peak_memory_bytes=self._peak_memory_bytes,
+            **current,
+            **{name: int(value) if name in COUNTERS else value for name, value in ledger.items()},  # type: ignore[arg-type]
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters and statistics as plain numbers, with the format version."""
+        return {
+            "version": FORMAT_VERSION,
+            "windows": self.windows,
+            "total_micro_batches": self.total_micro_batches,
+            "micro_batches_last_step": self.micro_batches_last_step,
+            "peak_memory_bytes": self._peak_memory_bytes,
+            **self._ledger.state_dict(),
+        }
+
+    @staticmethod
+    def check_state(state: Mapping[str, Any]) -> tuple[int, int, int, int]:
+        """The saved counters, converted; ``ValueError`` if ``state`` is not a readable saved form."""
+        version = state.get("version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"Cannot load accumulator state of version {version!r}; this version reads {FORMAT_VERSION}."
+            )
+        missing = [key for key in ("windows", "total_micro_batches", "skipped_steps") if key not in state]
+        if missing:
+            raise ValueError(f"Accumulator state is missing {missing}.")
+        return (  # every value converted before anything is assigned
+            int(state["windows"]),
+            int(state["total_micro_batches"]),
+            int(state.get("micro_batches_last_step", 0)),
+            int(state.get("peak_memory_bytes", 0)),
+        )
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from counters saved by :meth:`state_dict`; nothing changes if they do not fit."""
+        counters = self.check_state(state)
+        self._ledger.load_state_dict(state)  # all or nothing itself
+        self.windows, self.total_micro_batches, self.micro_batches_last_step, self._peak_memory_bytes = (
+            counters
+        )
