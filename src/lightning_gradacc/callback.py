@@ -29,19 +29,16 @@ from typing_extensions import override
 from . import compatibility as compat
 from . import lightning_internals as internals
 from .core import AccumulationStats, GradAccumulator
-from .core.device_step import disarm
-from .core.validation import AccumulationSettings
+from .core.settings import SETTINGS, AccumulationSettings, with_setting_docs
+from .core.torch_internals import disarm
 from .counters import check_item_count_fn, count_micro_batch
+from .fit_accumulator import ParameterGroups, SavedState, build_accumulator
 from .k_policies import make_policy
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
-from .param_groups import optimized_parameters, param_groups_signature
-from .reduction import WindowReduction
+from .reduction import WindowReduction, check_reduction
 from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from here too
 from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
-from .reporting import SkipWarnings, step_metrics
-from .saved_state import SavedState
-from .sharded_sync import check_reduction
-from .summary import format_summary
+from .reporting import SkipWarnings, format_summary, step_metrics
 from .window_plan import WindowPlan
 
 # Type-checked against pytorch_lightning's Callback (both namespaces have the same hooks); a plain mixin at
@@ -102,46 +99,25 @@ class GradientAccumulationLogic(_LogicBase):
         target_batch_size: Items per optimizer step over all ranks; K = ceil(target / (micro-batch size x
             world size)), resolved in ``setup`` (before ``configure_optimizers``, so that
             ``trainer.estimated_stepping_batches`` is exact). Exclusive with ``accumulation_steps``.
-        scaling: ``"mean"`` (alias ``"average"``), ``"sum"`` or ``"weighted"`` (alias ``"dynamic"``).
         item_count_fn: ``batch -> number | Tensor``: items in a micro-batch for ``"weighted"`` (default: the
             batch size, when every tensor of the batch agrees on it). Any finite number >= 0; a device tensor
             is fine (no sync). A micro-batch with 0 items weighs nothing.
-        max_grad_norm: Clip the total gradient norm to this value once per optimizer step.
-        norm_type: Order of the norm (any ``p > 0``, or ``inf``).
-        clip_scope: ``"global"`` clips the norm of all gradients together (as ``gradient_clip_val``);
-            ``"parameter"`` rescales each parameter's gradient whose own norm exceeds ``max_grad_norm``.
-        clip_value: Clamp each gradient element to ``[-clip_value, clip_value]`` once per step.
-        overflow: Non-finite gradient policy: ``"skip"`` the step, ``"raise"``
-            :class:`~lightning_gradacc.GradientOverflowError`, ``"ignore"`` (count only), or
-            ``"skip_micro_batch"``: drop only the micro-batch whose gradient is not finite (needs
-            ``accumulation_dtype``). Under a ``GradScaler`` (``precision="16-mixed"``) the scaler skips
-            such steps itself; they are counted.
         log_stats: Log the statistics under ``grad_accum/`` at every optimizer step (respecting
             ``log_every_n_steps``) to the Trainer's loggers and ``trainer.callback_metrics`` (also without a
             logger: under ``ddp_spawn`` these reach the launching process).
-        accumulation_dtype: Accumulate in buffers of this dtype, e.g. ``"float32"`` with
-            ``precision="bf16-true"``, instead of in the parameters' dtype.
-        clip_mode: ``"step"`` clips the final gradient; ``"micro_batch"`` clips each micro-batch's own
-            gradient to ``max_grad_norm`` before it is added (needs ``accumulation_dtype``).
         sharded_reduction: Under ``FSDPStrategy`` and ``ModelParallelStrategy``: ``"every_micro_batch"``
             reduce-scatters each micro-batch's gradient (Lightning's behaviour: sharded memory, K times the
             communication); ``"window_end"`` turns FSDP's gradient sync off for all but the window's last
             micro-batch (one reduce-scatter per step; the unsharded gradients are kept across the window);
             ``"replicas_at_window_end"`` (FSDP2 on an HSDP mesh) reduce-scatters every micro-batch inside
             each replica but all-reduces across replicas once per step (sharded memory).
-        noise_scale: Estimate the gradient noise scale (McCandlish et al. 2018) from each window's
-            micro-batches: the batch size, in items, beyond which larger batches stop paying off. Logged as
-            ``grad_accum/noise_scale`` with the per-step estimates ``grad_accum/grad_sq_norm_estimate``
-            (|G|²) and ``grad_accum/trace_sigma_estimate`` (tr Σ). Needs K x ranks >= 2; single device and
-            DDP only.
-        noise_scale_decay: Of the exponential averages of |G|² and tr Σ before their ratio is taken.
-        noise_scale_every: Measure one optimizer step in this many (the others cost nothing).
         schedule_unit: What the keys of an ``accumulation_steps`` schedule count: ``"epochs"``, ``"steps"``
             (optimizer steps so far) or ``"items"`` (items of the windows closed so far, over all ranks). A
             window's K is the schedule's value at the count reached when it opens, mid-epoch.
         lr_scaling: ``"none"``, ``"sqrt"`` or ``"linear"``: every step's learning rates are multiplied by
             (K of its window / K of the first window) to the power 0, 1/2 or 1, around the step only (LR
             schedulers never see it); logged as ``grad_accum/lr_factor``.
+        Math settings: (each field of ``AccumulationSettings``, documented there once, listed here)
 
     Attributes:
         plan: The one owner of K (:class:`~lightning_gradacc.window_plan.WindowPlan`): its ``policy`` is how K
@@ -188,19 +164,8 @@ class GradientAccumulationLogic(_LogicBase):
     ) -> None:
         self.plan = WindowPlan(make_policy(accumulation_steps, target_batch_size, schedule_unit), lr_scaling)
         self.sharded_reduction = check_reduction(sharded_reduction)
-        self.settings = AccumulationSettings.checked(
-            scaling=scaling,
-            max_grad_norm=max_grad_norm,
-            norm_type=norm_type,
-            clip_scope=clip_scope,
-            clip_value=clip_value,
-            overflow=overflow,
-            accumulation_dtype=accumulation_dtype,
-            clip_mode=clip_mode,
-            noise_scale=noise_scale,
-            noise_scale_decay=noise_scale_decay,
-            noise_scale_every=noise_scale_every,
-        )
+        given = locals()  # the math settings are declared once, by `AccumulationSettings`, which checks them
+        self.settings = AccumulationSettings(**{name: given[name] for name in SETTINGS})
         check_item_count_fn(item_count_fn, weighted=self.settings.scaling == "weighted", scaling=scaling)
         self.item_count_fn = item_count_fn
         if not isinstance(log_stats, bool):
@@ -211,7 +176,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._accumulator: GradAccumulator | None = None
         self._saved = SavedState()  # a checkpoint's state, until the next accumulator takes it
         self._scaler: torch.amp.GradScaler | None = None  # the fit's, set in `setup`
-        self._signature: tuple[tuple[int, int], ...] = ()  # of the parameter groups the accumulator tracks
+        self._groups = ParameterGroups()  # the optimizers' parameter groups the accumulator tracks
         self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
         self._asks_last = False  # whether a backward must know that it ends the window (set at train start)
         self._batch = _Batch()
@@ -316,9 +281,9 @@ class GradientAccumulationLogic(_LogicBase):
         except ValueError as error:
             raise RuntimeError(str(error)) from None
         compat.check_sharded_reduction(
-            self._api, self._sync.fsdp, self.sharded_reduction, settings, per_micro_batch
+            self._api, self._sync, self.sharded_reduction, settings, per_micro_batch
         )
-        self._build_accumulator(trainer, pl_module, reduce_gradients=self._sync.core_reduces)
+        self._build_accumulator(trainer, pl_module)
         compat.check_optimizers(
             trainer, self.plan.largest_k(), self.plan.describe(), self.estimated_stepping_batches
         )
@@ -335,25 +300,22 @@ class GradientAccumulationLogic(_LogicBase):
         if callbacks and callbacks[0] is not self:  # a new list: Lightning may be iterating over the old one
             trainer.callbacks = [self, *(c for c in callbacks if c is not self)]  # type: ignore[attr-defined]
 
-    def _build_accumulator(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, reduce_gradients: bool
-    ) -> None:
-        world_size = trainer.world_size
+    def _build_accumulator(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         previous = self._accumulator
         if previous is not None:
             previous.remove_hooks()  # its noise-scale hook must not keep measuring
-        compat.warn_noise_scale_unmeasurable(self._api, self.settings, self.plan.largest_k(), world_size)
-        sharded = trainer.model if self._sync.fsdp.sharded else None  # FSDP1's flat slices, FSDP2's gradients
-        accumulator = GradAccumulator(  # all-reduces on the default group, as Lightning's DDP does, but
-            optimized_parameters(trainer, pl_module),  # without `strategy.reduce`'s barrier before each
-            world_size=world_size,
+        compat.warn_noise_scale_unmeasurable(
+            self._api, self.settings, self.plan.largest_k(), trainer.world_size
+        )
+        accumulator = build_accumulator(
+            trainer,
+            pl_module,
             settings=self.settings,
             grad_scaler=self._scaler,
-            fsdp_module=sharded,
-            reduce_gradients=reduce_gradients,
-            accumulate_in_backward=self._accumulate_in_backward and self._sync.gradients_in_backward,
+            reduction=self._sync,
+            in_backward=self._accumulate_in_backward,
         )
-        self._signature = param_groups_signature(trainer)
+        self._groups.tracked(trainer)
         try:  # K and the loss scale first: a restored window's sums are rescaled to them
             self.plan.attach(trainer, accumulator, self._api.rank_zero_warn)
             # lifetime counters survive a second `fit()` and a resume from a checkpoint
@@ -363,7 +325,7 @@ class GradientAccumulationLogic(_LogicBase):
             raise
         self._accumulator = accumulator
         # FSDP reducing at the window's end, or the core flushing its buffers for DDP or a GradScaler
-        self._asks_last = self._sync.fsdp.defers or accumulator.uses_last
+        self._asks_last = self._sync.defers or accumulator.uses_last
         self._skips.seen = accumulator.stats.skipped_steps
 
     @override
@@ -375,15 +337,9 @@ class GradientAccumulationLogic(_LogicBase):
         self.plan.epoch_start(trainer)
 
     def _follow_param_groups(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Track a parameter group added (or changed) since the last look, e.g. by ``BaseFinetuning``.
-
-        Looked at after every backward and before every step: the module may add one in any hook.
-        """
-        signature = param_groups_signature(trainer)
-        if signature != self._signature:
-            assert self._accumulator is not None
-            self._accumulator.track(optimized_parameters(trainer, pl_module))
-            self._signature = signature
+        """Track a group added or changed since the last look (after every backward and before every step)."""
+        assert self._accumulator is not None
+        self._groups.follow(trainer, pl_module, self._accumulator)
 
     def _discard_window(self, trainer: pl.Trainer, why: str) -> None:
         """Drop an open window that can no longer end in a step: windows never merge."""
@@ -394,7 +350,7 @@ class GradientAccumulationLogic(_LogicBase):
             f" window (global step {trainer.global_step})."
         )
         self._accumulator.reset(set_grads_to_none=True)
-        self._sync.fsdp.drop_unsynced()  # and what FSDP holds unsynced (`sharded_reduction="window_end"`)
+        self._sync.drop_unsynced()  # and what FSDP holds unsynced (`sharded_reduction="window_end"`)
         self.plan.window_abandoned()
 
     # --------------------------------------------------------------------------------- per micro-batch
@@ -438,13 +394,13 @@ class GradientAccumulationLogic(_LogicBase):
         accumulator.begin_micro_batch(
             loss, current.items, last=last, label=current.label, error=current.error, in_place=True
         )
-        self._sync.fsdp.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
+        self._sync.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._accumulator is not None
         current = self._batch
-        self._sync.fsdp.after_backward()
+        self._sync.after_backward()
         self._follow_param_groups(trainer, pl_module)
         self._accumulator.end_micro_batch(reevaluation=current.finalized)
         current.recorded = True  # until `on_train_batch_end`: a save now is mid-batch
@@ -460,7 +416,7 @@ class GradientAccumulationLogic(_LogicBase):
         assert accumulator is not None
         self._follow_param_groups(trainer, pl_module)
         if not current.backward_ran and not accumulator.window.empty:
-            compat.check_window_can_end(self._sync.fsdp, self.sharded_reduction)
+            compat.check_window_can_end(self._sync, self.sharded_reduction)
         # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned
         # None: the window's earlier micro-batches would be dropped. The callback steps it itself.
         steps_itself = (
@@ -469,27 +425,18 @@ class GradientAccumulationLogic(_LogicBase):
             and not accumulator.window.empty
             and not current.finalized
         )
-        if steps_itself:
-            assert scaler is not None
-            internals.init_scaler_scale(scaler)  # none yet if no loss was scaled in this fit (a resume)
-            accumulator.flush_to_grad()  # the scaler unscales and checks `.grad`
-            scaler.unscale_(optimizer)
-        elif scaler is not None and current.backward_ran and not internals.lightning_unscales(optimizer):
-            # a fused optimizer: Lightning leaves the AMP scale in, which the norm and clipping must not see;
-            # the scaler's step then only skips on its `found_inf` (`grad_scale` is None once unscaled)
-            scaler.unscale_(optimizer)
-        # Logged at this batch's end: the statistics then come along in the step's one sync.
-        logs = self.log_stats and internals.logs_this_step(trainer)
-        on_device = accumulator.decides_on_device(optimizer)
-        stepped = accumulator.finalize(
+        # The scaler unscales here where Lightning did not: a window the callback steps itself, and a fused
+        # optimizer (Lightning leaves the AMP scale in for it, which the norm and clipping must not see; the
+        # scaler's step then only skips on its `found_inf`). Logged at this batch's end: the statistics then
+        # come along in the step's one sync.
+        stepped = accumulator.end_window(
+            optimizer,
+            unscale=steps_itself or (current.backward_ran and not internals.lightning_unscales(optimizer)),
+            fold_multiplier=not self._grads_read_before_step,
             reevaluation=current.finalized,
-            read_statistics=logs,
-            on_device=on_device,
-            fold_multiplier=on_device and not self._grads_read_before_step,
+            read_statistics=self.log_stats and internals.logs_this_step(trainer),
         )
-        if accumulator.device_step is not None:  # a fused optimizer skips (or takes) it on the device
-            accumulator.device_step.arm(optimizer)
-            self._stepped_on_device = True
+        self._stepped_on_device = self._stepped_on_device or accumulator.device_step is not None
         if not current.finalized:  # items: the window's, over ranks (read if the policy counts them)
             self.plan.window_closed(lambda: accumulator.last_window_items)
         current.finalized = True
@@ -603,6 +550,9 @@ class GradientAccumulationLogic(_LogicBase):
         position = state_dict.get("plan", state_dict.get("schedule"))  # "schedule": keyed schedules, 0.2
         if position is not None:  # Lightning restores callbacks after `setup`
             self.plan.load_state_dict(position)
+
+
+GradientAccumulationLogic.__doc__ = with_setting_docs(GradientAccumulationLogic.__doc__)
 
 
 class GradientAccumulationCallback(GradientAccumulationLogic, pl.Callback):

@@ -19,8 +19,8 @@ from .namespaces import CALLBACK_IMPORTS, LightningNamespace, namespace_of
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-    from .core.validation import AccumulationSettings
-    from .sharded_sync import ShardedSync
+    from .core.settings import AccumulationSettings
+    from .reduction import WindowReduction
 
 SCHEDULER_CONFLICT = (
     "You are using Lightning's `GradientAccumulationScheduler` and `GradientAccumulationCallback`. Remove the"
@@ -259,7 +259,7 @@ def check_optimizers(
 
 def check_sharded_reduction(
     api: LightningNamespace,
-    sync: ShardedSync,
+    sync: WindowReduction,
     reduction: str,
     settings: AccumulationSettings,
     per_micro_batch: bool,
@@ -300,7 +300,7 @@ def check_sharded_reduction(
         api.rank_zero_warn(f"`sharded_reduction={reduction!r}` has no effect: {reason}")
 
 
-def check_window_can_end(sync: ShardedSync, reduction: str) -> None:
+def check_window_can_end(sync: WindowReduction, reduction: str) -> None:
     """Refuse to end a window whose last batch ran no backward while FSDP defers its reduction to it."""
     if sync.defers:
         raise RuntimeError(

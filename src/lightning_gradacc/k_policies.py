@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .core.validation import ScheduleUnit, check_choice, check_positive_int, check_schedule
+from .core.settings import ScheduleUnit, check_choice, check_positive_int, check_schedule
 
 
 def linear_ramp(

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .core.torch_internals import steps_with_amp_scaling
+
 if TYPE_CHECKING:
     import pytorch_lightning as pl
-    from torch.nn.parallel import DistributedDataParallel
 
 # ----------------------------------------------------------------------------------------------- loops
 
@@ -169,18 +170,7 @@ def lightning_unscales(optimizer: Any) -> bool:
     optimizer that unscales inside its step (``_optimizer_handles_unscaling`` of ``lightning_fabric``: torch's
     fused ones, ``_step_supports_amp_scaling``): the hook would see gradients carrying the AMP scale.
     """
-    return not getattr(optimizer, "_step_supports_amp_scaling", False)
-
-
-def init_scaler_scale(scaler: torch.amp.GradScaler) -> None:
-    """Create the scaler's scale tensor if no loss was scaled yet, so that ``unscale_`` works.
-
-    ``GradScaler._scale`` is ``None`` until the first ``scale()``, which calls
-    ``_lazy_init_scale_growth_tracker`` on ``_device`` from ``_init_scale`` (``torch/amp/grad_scaler.py``):
-    a scale loaded from a checkpoint waits there.
-    """
-    if getattr(scaler, "_scale", True) is None:
-        scaler._lazy_init_scale_growth_tracker(torch.device(scaler._device))
+    return not steps_with_amp_scaling(optimizer)
 
 
 # ---------------------------------------------------------------------------------------- strategies
@@ -208,21 +198,3 @@ def ddp_comm_hook(strategy: Any) -> Any:
     ``DDPStrategy._ddp_comm_hook`` (``strategies/ddp.py``).
     """
     return getattr(strategy, "_ddp_comm_hook", None)
-
-
-def set_ddp_backward_sync(ddp: DistributedDataParallel, enabled: bool) -> None:
-    """Turn DDP's gradient all-reduce on or off for every backward: ``no_sync()`` for a whole fit.
-
-    ``DistributedDataParallel.require_backward_grad_sync`` (``torch/nn/parallel/distributed.py``): the flag
-    ``no_sync()`` clears, read at each forward to prepare (or not) the reducer of the coming backward.
-    """
-    ddp.require_backward_grad_sync = enabled
-
-
-def sync_ddp_buffers_at_next_forward(ddp: DistributedDataParallel) -> None:
-    """Have DDP broadcast its buffers at the next forward, as after a backward that synced.
-
-    ``DistributedDataParallel.require_forward_param_sync`` (``torch/nn/parallel/distributed.py``): a
-    forward sets it when its backward will sync and clears it otherwise; the next forward reads it.
-    """
-    ddp.require_forward_param_sync = True

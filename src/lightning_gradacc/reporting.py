@@ -1,7 +1,8 @@
-"""What the callback reports: the scalars it logs at each optimizer step, and warnings of skipped steps."""
+"""What the callback reports: the scalars logged at each step, skip warnings, the table at the end of fit."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -78,3 +79,129 @@ class SkipWarnings:
                 " and step-interval LR schedulers still advance."
             )
         self.seen = skipped
+
+
+# ------------------------------------------------------------------------------------------ the summary
+
+
+def _bytes(value: int) -> str:
+    return f"{value / 2**20:,.1f} MiB"
+
+
+def _items(value: float) -> str:
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:,.1f}"
+
+
+def effective_batch(stats: AccumulationStats) -> float:
+    """Items in a full optimizer step: the last window of K micro-batches (else the last window).
+
+    Example:
+        >>> effective_batch(AccumulationStats(items_last_step=94.0, items_last_full_step=182.0))
+        182.0
+    """
+    return stats.items_last_full_step or stats.items_last_step
+
+
+def _effective_batch(stats: AccumulationStats) -> str:
+    k = stats.accumulation_steps
+    full = f"{_items(stats.items_last_full_step)} in the last full step (K micro-batches)"
+    if stats.micro_batches_last_step == k and stats.items_last_full_step == stats.items_last_step:
+        return full
+    last = f"{_items(stats.items_last_step)} in the last step ({stats.micro_batches_last_step} of {k})"
+    return f"{full}; {last}" if stats.items_last_full_step else f"{last}; no full step yet"
+
+
+def noise_sentence(stats: AccumulationStats) -> str | None:
+    """A plain sentence comparing the effective batch with the gradient noise scale (``None``: not measured).
+
+    The noise scale approximates the critical batch size (McCandlish et al. 2018): far below it, a larger
+    batch still cuts the number of steps almost in proportion; far above it, steps use items they do not
+    need.
+
+    Example:
+        >>> noise_sentence(AccumulationStats(items_last_step=128.0, noise_scale=1000.0))[:62]
+        'The effective batch (128 items) is well below the gradient noi'
+    """
+    noise = stats.noise_scale
+    if math.isnan(noise):
+        return None
+    if not math.isfinite(noise) or noise <= 0:
+        return (
+            "The gradient noise scale has no usable estimate yet (it is not positive: too few or too noisy"
+            " windows); train longer before reading it."
+        )
+    batch = effective_batch(stats)
+    if batch <= 0:  # no item counts: the noise scale is in micro-batches
+        return (
+            f"The gradient noise scale is {noise:,.1f} micro-batches (no item counts were known: pass"
+            " `item_count_fn` to have it in samples or tokens)."
+        )
+    compared = f"The effective batch ({batch:,.0f} items) is {{}} the gradient noise scale"
+    compared += f" ({noise:,.0f} items)"
+    if batch < noise / 2:
+        return compared.format("well below") + (
+            ": a larger batch (a larger K, or more ranks) would still cut the number of optimizer steps"
+            " almost in proportion."
+        )
+    if batch > 2 * noise:
+        return compared.format("well above") + (
+            ": each step uses more items than it needs; a smaller K would reach the same loss with less"
+            " compute, in not many more steps."
+        )
+    return compared.format("close to") + ": a balanced trade-off between steps and compute."
+
+
+def _noise_scale(stats: AccumulationStats) -> str:
+    noise = stats.noise_scale
+    if not math.isfinite(noise) or noise <= 0:
+        return "no usable estimate yet (not positive)"
+    unit = "items" if effective_batch(stats) > 0 else "micro-batches"  # no item counts: micro-batches
+    return f"{noise:,.1f} {unit} (averaged over recent steps)"
+
+
+def format_summary(
+    stats: AccumulationStats, window_loss: float, log_dir: str | None, schedule: str | None = None
+) -> str:
+    """Render the statistics of a finished run as a two-column table (``callback.summary()`` prints it).
+
+    Args:
+        stats: The callback's statistics at the end of ``fit``.
+        window_loss: Mean loss of the last window.
+        log_dir: Where the logger writes (``None``: no logger).
+        schedule: Where a schedule keyed by steps or items stands (``None``: none).
+
+    Example:
+        >>> print(format_summary(AccumulationStats(accumulation_steps=4, windows=3), 0.5, None))
+        Gradient accumulation summary
+        ---------------------------------------------------------------
+        optimizer steps taken        3 of 3 windows
+        accumulation steps (K)       4
+        ...
+        logs                         no logger
+    """
+    k = stats.accumulation_steps
+    rows = [
+        ("optimizer steps taken", f"{stats.steps_taken:,} of {stats.windows:,} windows"),
+        ("accumulation steps (K)", str(k)),
+        *([("schedule", schedule)] if schedule is not None else []),
+        ("effective batch (items)", _effective_batch(stats)),
+        ("micro-batches", f"{stats.total_micro_batches:,}"),
+        ("skipped steps", f"{stats.skipped_steps:,}"),
+        ("empty windows (no step)", f"{stats.empty_windows:,}"),
+        ("non-finite windows", f"{stats.non_finite_windows:,}"),
+        ("dropped micro-batches", f"{stats.dropped_micro_batches:,}"),
+        ("clipped steps", f"{stats.clipped_steps:,}"),
+        ("last grad norm", f"{stats.last_grad_norm:.4g} (max seen {stats.max_grad_norm_seen:.4g})"),
+        ("last window loss", "n/a" if math.isnan(window_loss) else f"{window_loss:.4f}"),
+        *([("gradient noise scale", _noise_scale(stats))] if not math.isnan(stats.noise_scale) else []),
+        ("peak memory", _bytes(stats.peak_memory_bytes)),
+        ("accumulation buffers", _bytes(stats.buffer_bytes)),
+        ("logs", log_dir or "no logger"),
+    ]
+    width = max(29, max(len(name) for name, _ in rows) + 4)  # a stable layout
+    lines = ["Gradient accumulation summary", "-" * 63]
+    lines += [f"{name:<{width}}{value}" for name, value in rows]
+    sentence = noise_sentence(stats)
+    if sentence is not None:
+        lines += ["", sentence]
+    return "\n".join(lines)

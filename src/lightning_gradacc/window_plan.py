@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from . import lightning_internals as internals
-from .core.validation import check_choice
+from .core.settings import check_choice
 from .k_policies import KPolicy, TargetBatchSize, stepping_batches
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import yaml
 
 from lightning_gradacc import GradientAccumulationCallback
 from lightning_gradacc.cli import build_cli
-from lightning_gradacc.core.validation import parse_threshold
+from lightning_gradacc.core.settings import parse_threshold
 from lightning_gradacc.counters import TokenCounter, count_predicted_tokens, count_tokens
 from tests.helpers import CONFIGS, QUICK, ROOT, the_callback
 

@@ -12,6 +12,7 @@ from torch import nn
 from lightning_gradacc import GradAccumulator, GradientAccumulationCallback
 from tests import helpers as h
 from tests.helpers import cuda_only
+from tests.syncs import SyncCounter
 
 
 def test_reduce_gradients_averages_the_buffers_over_the_ranks_at_the_window_end() -> None:
@@ -83,3 +84,22 @@ def test_bf16_buffers_on_cuda() -> None:
     assert accumulator.finalize()
     assert accumulator.stats.buffer_bytes == 4 * (64 * 8 + 8)
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in net.parameters())
+
+
+def test_skip_micro_batch_does_not_sync_while_accumulating() -> None:
+    net = h.regression_net()
+    accumulator = GradAccumulator(
+        net.parameters(), 4, overflow="skip_micro_batch", accumulation_dtype="float64"
+    )
+    x, y = h.regression_data(16).tensors
+    counter = SyncCounter()
+    with counter.patched():
+        for index in range(4):
+            loss = h.mse(net, x[index * 4 : index * 4 + 4], y[index * 4 : index * 4 + 4])
+            with counter.counting():
+                accumulator.backward(loss * (float("nan") if index == 1 else 1.0), items=torch.tensor(4))
+        assert counter.calls == []
+        with counter.counting():
+            assert accumulator.finalize()
+        assert counter.calls == ["tolist"]
+    assert (accumulator.stats.dropped_micro_batches, accumulator.stats.non_finite_windows) == (1, 0)

@@ -44,3 +44,36 @@ def test_a_core_module_imports_neither_lightning_nor_the_accumulator(path: Path)
     imports = _imports(path)
     assert not {name for name in imports if "lightning" in name}, imports
     assert path.stem == "accumulator" or ".accumulator" not in imports, imports
+
+
+def test_private_reads_of_torch_and_lightning_live_in_the_two_internals_modules() -> None:
+    """Every private attribute of torch or Lightning the package reads is read in `core/torch_internals.py`
+    or `lightning_internals.py`, one named function each; elsewhere only torch's foreach kernels (the
+    `torch.nn.utils` convention) and the package's own objects' privates."""
+    package = CORE.parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name in ("torch_internals.py", "lightning_internals.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                owner = ast.unparse(node.value)
+                if owner in ("self", "cls", "other") or (
+                    owner == "torch" and node.attr.startswith("_foreach_")
+                ):
+                    continue
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "setattr")
+                and isinstance(node.args[1], ast.Constant)
+                and str(node.args[1].value).startswith("_")
+                and not str(node.args[1].value).startswith("__")
+            ):
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found

@@ -222,7 +222,7 @@ def _held_back_by_part_of_the_model(rank: int, mesh: Any) -> str:
     back (the others have plain gradients, so "no gradient at all" cannot tell)."""
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_gradacc.sharded_sync import drop_unsynced_fsdp2
+    from lightning_gradacc.core.torch_internals import drop_fsdp2_held_back
 
     net = _net()
     fully_shard(net[0], mesh=mesh)
@@ -237,7 +237,7 @@ def _held_back_by_part_of_the_model(rank: int, mesh: Any) -> str:
     except NotImplementedError as error:
         found = str(error)
     hold(True)
-    drop_unsynced_fsdp2(net[0])
+    drop_fsdp2_held_back(net[0])
     return found
 
 
@@ -259,7 +259,7 @@ def _unsynced_gradients_dropped(rank: int, mesh: Any) -> float:
     """A backward with FSDP's sync off, dropped as an abandoned window is, leaves nothing behind."""
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
-    from lightning_gradacc.sharded_sync import drop_unsynced_fsdp2
+    from lightning_gradacc.core.torch_internals import drop_fsdp2_held_back
 
     grads = []
     if mesh in ("fsdp1", "fsdp1_hybrid"):
@@ -283,7 +283,7 @@ def _unsynced_gradients_dropped(rank: int, mesh: Any) -> float:
             hold(False)
             nn.functional.mse_loss(net(x), y).mul(100).backward()
             hold(True)
-            drop_unsynced_fsdp2(net)
+            drop_fsdp2_held_back(net)
             net.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
         grads.append([p.grad.full_tensor() for p in net.parameters()])

@@ -20,12 +20,12 @@ module imports back the one that wires them together:
 
 from .accumulator import GradAccumulator
 from .boundary import apply_, clip_grads_, decide, measure
-from .errors import GradientOverflowError
 from .kernels import clamp_, group_by_device_and_dtype, scale_, total_norm
 from .statistics import AccumulationStats, PeakMemory
 from .store import WindowGradients
 from .weighting import ItemCount, ItemWeighting
 from .window import Window, WindowClosedError, WindowState
+from .window_end import GradientOverflowError
 
 __all__ = [
     "AccumulationStats",

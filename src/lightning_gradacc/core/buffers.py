@@ -11,14 +11,21 @@ gradient is written back to ``.grad`` once per window.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from .kernels import scale_
+from .boundary import decide
+from .kernels import scale_, total_norm
+from .parameters import TrackedParameters
+from .scalars import as_scalar
+from .settings import AccumulationSettings
 from .shards import as_sharded_like, local_shards
-from .world import AllReduce
+from .weighting import GradientScale, ItemCount
+from .window import Window
+from .world import AllReduce, World
 
 
 class GradBuffers:
@@ -234,6 +241,20 @@ class GradBuffers:
             self._copy(bucket, [piece.view_as(b) for piece, b in zip(pieces, bucket, strict=True)])
             bucket, elements = [], 0
 
+    def average_window(self, world: World) -> None:
+        """The window's sums become their mean over the ranks (``reduce_gradients``, at the window's end).
+
+        Which parameters take part is decided over all ranks: one small all-reduce of per-parameter "holds a
+        gradient" flags, read on the host (the one sync). A parameter with a gradient on some rank only is
+        averaged with the other ranks' zeros, as DDP does; one with none anywhere stays without a gradient.
+        """
+        world_size, all_reduce = world.resolve()
+        if all_reduce is None:
+            return
+        held = torch.tensor([float(holds) for holds in self._holds], device=self.params[0].device)
+        anywhere = all_reduce(held).tolist()
+        self.average_over_ranks(all_reduce, world_size, [count > 0 for count in anywhere])
+
     def forget(self, index: int) -> None:
         """Take parameter ``index`` out of the open window (its buffer is overwritten next time)."""
         self._holds[index] = False
@@ -241,3 +262,119 @@ class GradBuffers:
     def discard(self) -> None:
         """Forget the open window (the next gradients overwrite the buffers)."""
         self._holds = [False] * len(self.params)
+
+
+class MicroBatchIntake:
+    """Moves each micro-batch's ``.grad`` into the buffers, checked and clipped on its own where asked.
+
+    Args:
+        tracked: The parameters whose ``.grad`` is taken.
+        buffers: The accumulation buffers.
+        settings: ``overflow`` and ``clip_mode`` decide what is checked.
+        scale: The loss and AMP scale the gradient carries (undone before clipping).
+        world: The ranks over which a dropped micro-batch is agreed on.
+        dtype: Dtype of the window's counters.
+    """
+
+    def __init__(
+        self,
+        tracked: TrackedParameters,
+        buffers: GradBuffers,
+        settings: AccumulationSettings,
+        scale: GradientScale,
+        world: World,
+        dtype: torch.dtype,
+    ) -> None:
+        self.tracked, self.buffers, self.settings = tracked, buffers, settings
+        self.scale, self.world, self.dtype = scale, world, dtype
+        self.checks = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
+
+    def absorb(self, window: Window, count: ItemCount) -> Tensor | None:
+        """Move the micro-batch's ``.grad`` into the buffers; count a drop or a clip in ``window``.
+
+        Returns:
+            A device bool saying whether the micro-batch was kept (``None`` when nothing checks it).
+        """
+        if self.tracked.flat_sharded:
+            self.tracked.check_flat_gradients()
+        keep: Tensor | None = None
+        multiplier: Tensor | None = None
+        if self.checks:
+            keep, multiplier = self._check(window, count)
+        self.buffers.absorb(keep, multiplier)
+        return keep
+
+    def _check(self, window: Window, count: ItemCount) -> tuple[Tensor | None, Tensor | None]:
+        settings, tracked = self.settings, self.tracked
+        device = tracked.device
+        keep: Tensor | None = None
+        multiplier: Tensor | None = None
+        # Sharded (FSDP, reduced every micro-batch): `.grad` holds this rank's shard of micro-batch i of
+        # every rank, averaged; its norm is combined over the shards (one small collective, no sync), so
+        # the check and the clip act on that global micro-batch, the same on every rank.
+        if tracked.sharded:
+            norm = tracked.micro_batch_norm(settings.norm_type)
+        else:
+            grads = [grad for grad in tracked.grads() if grad is not None]
+            norm = total_norm(grads, settings.norm_type, device=device, foreach=tracked.foreach)
+        finite = torch.isfinite(norm)
+        world_size, all_reduce = self.world.resolve()
+        if settings.overflow == "skip_micro_batch":
+            bad = (~finite).to(self.dtype)
+            if all_reduce is not None:  # every rank drops the same micro-batch
+                bad = all_reduce(bad.reshape(1)).reshape(())
+            keep = bad == 0
+            dropped = bad.clamp(max=1)
+            window.tally.add("dropped", dropped)
+        if settings.clip_mode == "micro_batch":
+            assert settings.max_grad_norm is not None
+            # undo the loss's weight and scale; a weight of 0 leaves a zero gradient, nothing to clip
+            weight = as_scalar(count.weight, device, self.dtype)
+            if (
+                tracked.sharded and all_reduce is not None
+            ):  # the gradient is the ranks' mean: so is its weight
+                weight = all_reduce(weight.reshape(1).clone()).reshape(()) / world_size
+            factor = (weight.to(norm.dtype) * self.scale.value()).abs().clamp(min=1e-30)
+            decision = decide(norm / factor, max_norm=settings.max_grad_norm)
+            clipped = (decision.clipped & finite).to(self.dtype)
+            window.tally.add("micro_clips", clipped)
+            multiplier = torch.where(finite, decision.multiplier, 1.0)  # type: ignore[arg-type]
+        return keep, multiplier
+
+
+def buffers_for(
+    tracked: TrackedParameters,
+    settings: AccumulationSettings,
+    scale: GradientScale,
+    world: World,
+    dtype: torch.dtype,
+    *,
+    reduce_gradients: bool,
+    foreach: bool | None = None,
+) -> tuple[GradBuffers | None, MicroBatchIntake | None]:
+    """The accumulation buffers ``settings`` ask for, with their intake (``None, None``: none asked).
+
+    Warns when the buffers would change nothing (the parameters already are of their dtype).
+
+    Raises:
+        ValueError: ``reduce_gradients`` without buffers, or with sharded parameters (FSDP reduces them).
+    """
+    buffer_dtype = settings.accumulation_dtype
+    if reduce_gradients and (buffer_dtype is None or tracked.sharded):
+        raise ValueError(
+            "Argument `reduce_gradients=True` averages the accumulation buffers over ranks: it needs"
+            " `accumulation_dtype` and unsharded parameters (FSDP reduces sharded gradients itself),"
+            f" but got accumulation_dtype={buffer_dtype} with {'sharded' if tracked.sharded else 'plain'}"
+            " parameters."
+        )
+    if buffer_dtype is None:
+        return None, None
+    buffers = GradBuffers(tracked.named, buffer_dtype, foreach)
+    intake = MicroBatchIntake(tracked, buffers, settings, scale, world, dtype)
+    if not intake.checks and all(param.dtype == buffer_dtype for param in tracked.params):
+        warnings.warn(
+            f"`accumulation_dtype={buffer_dtype}` changes nothing: the parameters are already {buffer_dtype}"
+            " (e.g. 'bf16-mixed' keeps float32 weights). Leave it unset to save the buffers' memory.",
+            stacklevel=3,
+        )
+    return buffers, intake

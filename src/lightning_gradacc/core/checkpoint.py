@@ -17,10 +17,9 @@ import torch
 from torch import Tensor
 
 from .buffers import GradBuffers
-from .gradient_scale import GradientScale
 from .parameters import TrackedParameters
 from .shards import as_sharded_like, distribute_like, fsdp2_held_back, local_shards
-from .weighting import ItemWeighting
+from .weighting import GradientScale, ItemWeighting
 from .window import NAMES, Window, WindowState
 from .world import World
 

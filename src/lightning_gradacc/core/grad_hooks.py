@@ -32,14 +32,54 @@ gradient before adding it: both keep the after-backward path. ``torch.autograd.g
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor
 from torch.nn.parameter import is_lazy
 
 from .buffers import GradBuffers
-from .hooks import WeakHook, remove_handles
+
+
+class WeakHook:
+    """Calls ``method(index, tensor)`` of its owner while the owner lives; nothing after.
+
+    Example:
+        >>> import torch
+        >>> class Owner:
+        ...     def seen(self, index, tensor):
+        ...         print(index, tensor.tolist())
+        >>> owner = Owner()
+        >>> hook = WeakHook(owner.seen, 3)
+        >>> hook(torch.ones(1))
+        3 [1.0]
+        >>> del owner
+        >>> hook(torch.ones(1))  # the owner is gone: nothing
+    """
+
+    __slots__ = ("index", "method")
+
+    def __init__(self, method: Callable[[int, Tensor], None], index: int) -> None:
+        self.method = weakref.WeakMethod(method)
+        self.index = index
+
+    def __call__(self, tensor: Tensor) -> None:
+        """Autograd calls it with the gradient (or the parameter, for a post-accumulate-grad hook)."""
+        method = self.method()
+        if method is not None:
+            method(self.index, tensor)
+
+
+def remove_handles(handles: list[Any]) -> None:
+    """Remove every hook in ``handles`` and empty the list (in place: a finalizer may hold it)."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def same_tensors(these: Sequence[Tensor], those: Sequence[Tensor]) -> bool:
+    """Whether both hold the very same tensors, in the same order (identity, not values)."""
+    return len(these) == len(those) and all(a is b for a, b in zip(these, those, strict=True))
 
 
 class BufferHooks:
@@ -79,12 +119,15 @@ class BufferHooks:
         params: Sequence[Tensor] = self.buffers.params
         return tuple((i, p) for i, p in enumerate(params) if p.requires_grad and not is_lazy(p))
 
-    def watch(self) -> None:
+    def watch(self, enabled: bool = True) -> None:
         """Hook the buffers' parameters that require a gradient (again, if they changed; else nothing).
 
         One pass over the parameters on the host; a parameter unfrozen since is hooked here, and until then
-        its gradient goes the after-backward way.
+        its gradient goes the after-backward way. ``enabled=False`` removes the hooks (see :meth:`remove`).
         """
+        if not enabled:
+            self.remove()
+            return
         hookable = self._hookable()
         if len(hookable) == len(self._watched) and all(
             i == j and p is q for (i, p), (j, q) in zip(hookable, self._watched, strict=True)

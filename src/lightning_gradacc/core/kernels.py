@@ -12,13 +12,13 @@ in-place pass runs under ``torch.no_grad()``. Gradients are dense (the accumulat
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
-from torch.utils._foreach_utils import _device_has_foreach_support
+
+from .torch_internals import device_has_foreach
 
 GroupKey = tuple[torch.device, torch.dtype]
 # A flat list, or one already grouped by (device, dtype): reading .device and .dtype of hundreds of
@@ -56,11 +56,6 @@ def at_least_float32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-@functools.cache
-def _device_type_has_foreach(device_type: str) -> bool:
-    return _device_has_foreach_support(torch.device(device_type))
-
-
 def use_foreach(foreach: bool | None, device: torch.device, tensors: Sequence[Tensor]) -> bool:
     """Whether to use the fused kernels for ``tensors`` on ``device``, as ``torch.nn.utils`` decides.
 
@@ -72,8 +67,8 @@ def use_foreach(foreach: bool | None, device: torch.device, tensors: Sequence[Te
         True
     """
     if foreach is None:  # as torch's _has_foreach_support, with the device's answer cached
-        return _device_type_has_foreach(device.type) and all(type(t) is Tensor for t in tensors)
-    if foreach and not _device_type_has_foreach(device.type):
+        return device_has_foreach(device.type) and all(type(t) is Tensor for t in tensors)
+    if foreach and not device_has_foreach(device.type):
         raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
     return foreach
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .hooks import WeakHook, remove_handles, same_tensors
+from .grad_hooks import WeakHook, remove_handles, same_tensors
 from .scalars import Flag, Scalar, both, is_finite
 
 
@@ -343,9 +343,11 @@ class NoiseScale:
 
     def statistics(
         self,
-        totals: Sequence[Scalar],
+        totals: Tensor | Sequence[float] | None,
         norm: Scalar,
         *,
+        l2_norm: Scalar | None,
+        factor: Scalar,
         micro_batches: int,
         summed: bool,
         items: Scalar,
@@ -353,15 +355,22 @@ class NoiseScale:
         """Fold a window into the averages; the statistics the accumulator logs.
 
         Args:
-            totals: The window's :data:`TOTALS` over every rank.
-            norm: |G_W| before clipping: the L2 norm of the window's final gradient.
+            totals: The window's :data:`TOTALS` over every rank (a device vector, or its host copy).
+            norm: The final gradient's norm before clipping (in ``norm_type``).
+            l2_norm: The L2 norm of the window's sums when ``norm_type`` is another (``None``: it is L2).
+            factor: The normalization the sums are multiplied by.
             micro_batches: The window's micro-batches on this rank.
             summed: Whether the final gradient is a sum (``scaling="sum"``): k times the mean over every
                 rank's micro-batches.
             items: B, the window's items over ranks.
         """
+        assert totals is not None
+        parts: list[Scalar] = list(totals.unbind()) if isinstance(totals, Tensor) else list(totals)
+        if l2_norm is not None:  # |G_W|: the L2 twin of the p-norm, scaled as the final gradient is
+            scale: Any = abs(factor)  # a number or a device scalar
+            norm = l2_norm * scale
         mean = norm / micro_batches if summed else norm
-        found = self.update(totals, mean * mean, items=items)
+        found = self.update(parts, mean * mean, items=items)
         return {
             "noise_scale": found.noise_scale,
             "grad_sq_norm_estimate": found.grad_sq_norm,
@@ -424,10 +433,42 @@ class NoiseScale:
         self.average_weight = float(state["average_weight"])
 
 
+def noise_scale_for(
+    settings: Any, *, sharded: bool, device: torch.device, dtype: torch.dtype
+) -> NoiseScale | NoNoiseScale:
+    """The noise scale ``settings`` ask for: :class:`NoiseScale`, or :class:`NoNoiseScale` when off.
+
+    Raises:
+        NotImplementedError: ``noise_scale=True`` with sharded (FSDP) parameters.
+    """
+    if not settings.noise_scale:
+        return NoNoiseScale()
+    if sharded:
+        raise NotImplementedError(
+            "`noise_scale=True` is not supported with sharded (FSDP) parameters yet: their gradients"
+            " reach the shards by reduce-scatter, never through a gradient hook."
+        )
+    return NoiseScale(settings.noise_scale_decay, device, dtype, weighted=settings.scaling == "weighted")
+
+
 class NoNoiseScale:
-    """The named points of :class:`NoiseScale` doing nothing (``noise_scale=False``): no hook, no cost."""
+    """Every named point of :class:`NoiseScale`, doing nothing (``noise_scale=False``): no hook, no cost.
+
+    The accumulator calls the same points whether or not the noise scale is on.
+    """
 
     watching = False
+
+    def statistics(self, totals: Any, norm: Scalar, **window: Any) -> dict[str, Scalar]:
+        """No estimate."""
+        return {}
+
+    def state_dict(self) -> None:
+        """Nothing to save."""
+        return None
+
+    def load_state_dict(self, state: Any) -> None:
+        """Nothing to restore (a saved run's averages are ignored)."""
 
     def open_window(self, measured: bool, params: Sequence[Tensor]) -> None:
         """Nothing to hook."""

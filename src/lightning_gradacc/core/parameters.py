@@ -17,7 +17,8 @@ from torch import Tensor
 from torch.nn.parameter import is_lazy
 
 from .kernels import GroupKey, combine_norms, tensor_norms
-from .shards import FlatShard, combine_shard_norms, flat_shards, is_fsdp_flattened, local_shards
+from .shards import FlatShard, combine_shard_norms, flat_shards, local_shards
+from .torch_internals import is_fsdp_flattened
 
 NamedParameters = Iterable[Tensor] | Iterable[tuple[str, Tensor]]
 

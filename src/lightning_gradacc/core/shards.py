@@ -20,6 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .torch_internals import fsdp1_layouts
+from .torch_internals import fsdp2_held_back as held_back
+
 
 @functools.cache  # asked for every window and every buffered micro-batch
 def _dtensor_type() -> type | None:
@@ -173,42 +176,18 @@ class FlatShard:
 def flat_shards(module: torch.nn.Module) -> dict[int, FlatShard | None]:
     """Where each parameter flattened by FSDP1 inside ``module`` lies, by the parameter's ``id``.
 
-    ``None`` for a parameter FSDP1 does not shard (``NO_SHARD``: its gradient is whole on every rank).
-    Reads FSDP1's flat-parameter metadata (``_handle``, ``_shard_param_infos``: private, stable since
-    torch 2.0; FSDP1 is frozen upstream).
+    ``None`` for a parameter FSDP1 does not shard (``NO_SHARD``: its gradient is whole on every rank). The
+    flat-parameter metadata is FSDP1's private state (``torch_internals.fsdp1_layouts``).
 
     Raises:
-        ValueError: a module wrapped with ``use_orig_params=False`` (the optimizer then holds flat
-            parameters that mix many tensors, which neither per-parameter clipping nor the statistics
-            can tell apart).
+        ValueError: a module wrapped with ``use_orig_params=False``.
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    shards: dict[int, FlatShard | None] = {}
-    for fsdp in FullyShardedDataParallel.fsdp_modules(module):
-        handle: Any = fsdp._handle
-        if handle is None:  # a wrapper without parameters of its own
-            continue
-        if not handle._use_orig_params:
-            raise ValueError(
-                "`FullyShardedDataParallel` with `use_orig_params=False` is not supported: its optimizer"
-                " sees flat parameters that mix many tensors. Wrap with `use_orig_params=True` (the default"
-                " of Lightning's `FSDPStrategy`)."
-            )
-        flat = handle.flat_param
-        for param, info, shape in zip(flat._params, flat._shard_param_infos, flat._shapes, strict=True):
-            if not handle.uses_sharded_strategy:
-                shards[id(param)] = None
-                continue
-            held = info.numel_in_shard if info.in_shard else 0
-            start = info.intra_param_start_idx if info.in_shard else 0
-            shards[id(param)] = FlatShard(fsdp.process_group, torch.Size(shape), int(start), int(held))
-    return shards
-
-
-def is_fsdp_flattened(param: Tensor) -> bool:
-    """Whether FSDP1 flattened ``param`` (then its ``.grad`` may be a slice: see :class:`FlatShard`)."""
-    return bool(getattr(param, "_fsdp_flattened", False))  # the mark FSDP1 sets on what it flattened
+    return {
+        id(layout.param): FlatShard(layout.process_group, layout.shape, layout.start, layout.numel)
+        if layout.sharded
+        else None
+        for layout in fsdp1_layouts(module)
+    }
 
 
 def fsdp2_modules(module: torch.nn.Module) -> list[Any]:
@@ -226,29 +205,12 @@ def fsdp2_modules(module: torch.nn.Module) -> list[Any]:
 
 
 def fsdp2_held_back(module: torch.nn.Module) -> set[int]:
-    """The sharded parameters (by ``id``) whose window gradient FSDP2 holds back inside itself.
+    """The sharded parameters (by ``id``) whose window gradient FSDP2 holds back inside ``module``.
 
-    While its gradient sync is off (``set_requires_gradient_sync(False)``) FSDP2 accumulates each rank's
-    unsharded gradient in its own state and leaves ``.grad`` alone; while only the all-reduce across
-    replicas is off (``set_requires_all_reduce(False)``, HSDP) the reduce-scattered sum waits in the
-    parameter group. Either way ``.grad`` does not hold the window (FSDP2's private state, read only).
+    See :func:`~lightning_gradacc.core.torch_internals.fsdp2_held_back` (FSDP2's private state, read only).
 
     Example:
         >>> fsdp2_held_back(torch.nn.Linear(2, 2))
         set()
     """
-    held: set[int] = set()
-    for sharded_module in fsdp2_modules(module):
-        group: Any = getattr(sharded_module._get_fsdp_state(), "_fsdp_param_group", None)
-        if group is None:
-            continue
-        partial = getattr(group, "_partial_reduce_output", None) is not None
-        for fsdp_param in getattr(group, "fsdp_params", []):
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if (
-                partial
-                or getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None
-                or (unsharded is not None and unsharded.grad is not None)
-            ):
-                held.add(id(fsdp_param.sharded_param))
-    return held
+    return held_back(fsdp2_modules(module))

@@ -14,9 +14,8 @@ import torch
 from torch import Tensor
 
 from .buffers import GradBuffers
-from .gradient_scale import GradientScale
 from .parameters import TrackedParameters
-from .weighting import ItemCount
+from .weighting import GradientScale, ItemCount
 from .window import Window, WindowState
 
 

@@ -1,4 +1,12 @@
-"""Item weighting: a micro-batch's item count, checked without a sync, and the one rule for its weight.
+"""What every micro-batch's gradient carries: its item weight, and the loss and AMP scale (GradientScale).
+
+A back-propagated loss is ``loss * weight * loss_scale * amp_scale``. The item weight is a micro-batch's item
+count over a reference (:class:`ItemWeighting`, the one rule: :meth:`ItemCount.weigh_loss`); the loss scale
+is the factor the caller multiplied it by (Lightning's ``1 / K``; 1 in a plain loop); the AMP scale is a
+GradScaler's, read from it as a device tensor (``get_scale()`` would sync with the host; it is read as a
+number only for a checkpoint). The boundary divides them out once per window (:class:`GradientScale`).
+
+Item weighting: a micro-batch's item count, checked without a sync, and the one rule for its weight.
 
 Under ``scaling="weighted"`` every micro-batch's loss (a mean over its items) is multiplied by
 ``w = items / reference`` before ``backward``, and the boundary divides the window's sum by ``sum w``: the
@@ -19,7 +27,8 @@ import torch
 from torch import Tensor
 
 from .scalars import Scalar, as_scalar
-from .validation import check_item_count
+from .settings import check_item_count
+from .torch_internals import scaler_scale, scaler_scales_lazily
 from .window import InvalidCount
 from .world import World
 
@@ -156,3 +165,76 @@ class ItemWeighting:
             self.reference_count = torch.where(mean > 0, mean.clamp(min=1.0), previous)
         elif mean > 0:
             self.reference_count = max(mean, 1.0)
+
+
+# -------------------------------------------------------------------------------- the gradient scale
+
+
+class GradientScale:
+    """The loss scale (a host number) and the GradScaler's scale (read from it, never stored).
+
+    Args:
+        grad_scaler: An enabled ``torch.amp.GradScaler``, or ``None``.
+        loss_scale: The initial loss scale.
+
+    Example:
+        >>> scale = GradientScale(None, loss_scale=0.25)
+        >>> scale.value(), scale.state_dict()
+        (0.25, {'loss_scale': 0.25, 'amp_scale': 1.0})
+    """
+
+    def __init__(self, grad_scaler: Any = None, *, loss_scale: float = 1.0) -> None:
+        self.scaler = grad_scaler
+        self.loss_scale = self.checked(loss_scale)
+
+    @staticmethod
+    def checked(value: Any) -> float:
+        """``value`` as a loss scale: a finite number > 0, else ``ValueError``."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"Expected `loss_scale` to be a finite number > 0, but got {value!r}.")
+        return float(value)
+
+    def amp(self) -> Tensor | None:
+        """The GradScaler's scale as a device tensor (``None`` without a scaler); never syncs."""
+        if self.scaler is None:
+            return None
+        scale = scaler_scale(self.scaler)
+        if scale is None and scaler_scales_lazily(self.scaler):  # torch's `scale()`, not called yet
+            raise RuntimeError(
+                "The GradScaler has not scaled a loss yet, but gradients were recorded: under a"
+                " `grad_scaler` every micro-batch's loss must be scaled by it before backward"
+                " (`scaler.scale(loss).backward()`, or `accumulator.backward(loss)`, which does)."
+            )
+        if not isinstance(scale, Tensor):
+            raise RuntimeError(
+                f"The GradScaler ({type(self.scaler).__name__}) keeps no tensor `_scale`, which the"
+                " accumulator reads (without a host sync) to undo the loss scale in its statistics and"
+                " clipping. Use `torch.amp.GradScaler`."
+            )
+        return scale
+
+    def value(self) -> Scalar:
+        """Loss scale times AMP scale: a number without a scaler, a device scalar with one."""
+        amp = self.amp()
+        return self.loss_scale * amp if amp is not None else self.loss_scale
+
+    def amp_value(self) -> float:
+        """The GradScaler's scale as a number (syncs: for checkpoints only).
+
+        Before its first ``scale()`` call the scaler has no ``_scale`` tensor yet; ``get_scale()`` gives the
+        scale it will start from.
+        """
+        return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+
+    def state_dict(self) -> dict[str, float]:
+        """Both scales as numbers, saved with an open window whose sums carry them (syncs)."""
+        return {"loss_scale": self.loss_scale, "amp_scale": self.amp_value()}
+
+    def rescale_from(self, saved: dict[str, Any]) -> float:
+        """The factor turning sums saved under ``saved`` (a :meth:`state_dict`) into sums under these scales.
+
+        Example:
+            >>> GradientScale(None, loss_scale=0.5).rescale_from({"loss_scale": 0.25, "amp_scale": 1.0})
+            2.0
+        """
+        return self.loss_scale * self.amp_value() / (float(saved["loss_scale"]) * float(saved["amp_scale"]))

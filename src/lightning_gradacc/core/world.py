@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from .validation import check_positive_int
+from .settings import check_positive_int
 
 AllReduce = Callable[[Tensor], Tensor]
 

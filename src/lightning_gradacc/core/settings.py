@@ -1,4 +1,4 @@
-"""Argument checks shared by :class:`GradAccumulator` and the Lightning callback.
+"""The math settings, declared once, and the argument checks shared by the core and the Lightning callback.
 
 Every check raises before any training starts and names the argument, the value and what is allowed.
 """
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 import torch
@@ -264,75 +265,157 @@ def check_decay(name: str, value: Any) -> float:
     return float(value)
 
 
+def _setting(default: Any, check: Callable[[Any], Any], doc: str) -> Any:
+    """A field of :class:`AccumulationSettings`: its default, its check, and its one documentation."""
+    return field(default=default, metadata={"check": check, "doc": doc})
+
+
 @dataclass(frozen=True)
 class AccumulationSettings:
-    """The math settings shared by ``GradAccumulator`` and the callback, checked and normalized once.
+    """The math settings of an accumulator, declared once: each with its default, its check and its doc.
+
+    ``GradAccumulator`` takes them as ``settings=`` (or each by keyword), the Lightning callback as its own
+    keyword arguments (LightningCLI reads those); both build this object, which checks every value (naming the
+    argument, the value and what is allowed) and the combinations, and normalizes aliases. Every docstring
+    that lists a setting takes its text from here (:func:`setting_docs`).
 
     Example:
-        >>> AccumulationSettings.checked(scaling="average", norm_type="inf").scaling
+        >>> AccumulationSettings(scaling="average", norm_type="inf").scaling
         'mean'
     """
 
-    scaling: str = "mean"
-    max_grad_norm: float | None = None
-    norm_type: float = 2.0
-    clip_scope: str = "global"
-    clip_value: float | None = None
-    overflow: str = "skip"
-    accumulation_dtype: torch.dtype | None = None
-    clip_mode: str = "step"
-    noise_scale: bool = False
-    noise_scale_decay: float = 0.95
-    noise_scale_every: int = 1
+    scaling: str = _setting(
+        "mean",
+        lambda value: check_scaling(value),
+        '``"mean"`` (alias ``"average"``): the mean over the micro-batches actually run; ``"sum"``;'
+        ' ``"weighted"`` (alias ``"dynamic"``): each micro-batch weighted by its items, over the'
+        " micro-batches and the data-parallel ranks (the item counts count them).",
+    )
+    max_grad_norm: float | None = _setting(
+        None,
+        lambda value: check_optional_positive_float("max_grad_norm", value),
+        "Clip the norm of the final gradient to this value, once per optimizer step.",
+    )
+    norm_type: float = _setting(
+        2.0,
+        lambda value: check_norm_type(value),
+        "Order of the norm (any ``p > 0``, or ``inf``), for clipping and the statistics.",
+    )
+    clip_scope: str = _setting(
+        "global",
+        lambda value: check_choice("clip_scope", value, ClipScope),
+        '``"global"`` clips the norm of all gradients together (as ``torch.nn.utils.clip_grad_norm_`` and'
+        ' ``gradient_clip_val``); ``"parameter"`` rescales each parameter\'s gradient whose own norm exceeds'
+        " ``max_grad_norm`` (the statistics report the global norm).",
+    )
+    clip_value: float | None = _setting(
+        None,
+        lambda value: check_optional_positive_float("clip_value", value),
+        "Clamp every element of the final gradient to ``[-clip_value, clip_value]``, once per step.",
+    )
+    overflow: str = _setting(
+        "skip",
+        lambda value: check_overflow(value),
+        'What a non-finite gradient does: ``"skip"`` the step (gradients set to ``None``, so torch'
+        ' optimizers change neither parameters nor state), ``"raise"``'
+        ' :class:`~lightning_gradacc.GradientOverflowError`, ``"ignore"`` (counted, and stepped), or'
+        ' ``"skip_micro_batch"``: drop only the micro-batch whose gradient is not finite and keep the window'
+        " (needs ``accumulation_dtype``). Under a ``GradScaler``"
+        ' (``precision="16-mixed"``) the scaler skips such steps itself; they are counted.',
+    )
+    accumulation_dtype: torch.dtype | None = _setting(  # noqa: RUF009 (a `field`, as the others)
+        None,
+        lambda value: resolve_accumulation_dtype(value),
+        'Accumulate in buffers of this dtype, e.g. ``"float32"`` for bf16 parameters'
+        " (``precision=\"bf16-true\"``), instead of in the parameters' dtype: costs exactly the buffers'"
+        " memory; each gradient is added into its buffer inside the backward.",
+    )
+    clip_mode: str = _setting(
+        "step",
+        lambda value: check_clip_mode(value),
+        '``"step"`` clips the window\'s final gradient; ``"micro_batch"`` clips each micro-batch\'s own'
+        " gradient to ``max_grad_norm`` before it is added (needs ``accumulation_dtype``).",
+    )
+    noise_scale: bool = _setting(
+        False,
+        lambda value: check_bool("noise_scale", value),
+        "Estimate the gradient noise scale (McCandlish et al. 2018) from each window's micro-batches: the"
+        " batch size, in items, beyond which larger batches stop paying off"
+        " (``AccumulationStats.noise_scale``, logged as ``grad_accum/noise_scale``). One norm kernel per"
+        " parameter per backward; needs K x ranks >= 2; single device and DDP; not with the per-micro-batch"
+        " modes.",
+    )
+    noise_scale_decay: float = _setting(
+        0.95,
+        lambda value: check_decay("noise_scale_decay", value),
+        "Of the exponential averages of |G|² and tr(Σ) before their ratio is taken (0.95: about the last"
+        " 20 measured steps count).",
+    )
+    noise_scale_every: int = _setting(
+        1,
+        lambda value: check_positive_int("noise_scale_every", value),
+        "Measure one window in this many (the others cost nothing; the estimate stays unbiased).",
+    )
 
-    @classmethod
-    def checked(
-        cls,
-        *,
-        scaling: Any = "mean",
-        max_grad_norm: Any = None,
-        norm_type: Any = 2.0,
-        clip_scope: Any = "global",
-        clip_value: Any = None,
-        overflow: Any = "skip",
-        accumulation_dtype: Any = None,
-        clip_mode: Any = "step",
-        noise_scale: Any = False,
-        noise_scale_decay: Any = 0.95,
-        noise_scale_every: Any = 1,
-    ) -> AccumulationSettings:
-        """Check every argument (naming it and its value in the error) and the combinations."""
-        settings = cls(
-            scaling=check_scaling(scaling),
-            max_grad_norm=check_optional_positive_float("max_grad_norm", max_grad_norm),
-            norm_type=check_norm_type(norm_type),
-            clip_scope=check_choice("clip_scope", clip_scope, ClipScope),
-            clip_value=check_optional_positive_float("clip_value", clip_value),
-            overflow=check_overflow(overflow),
-            accumulation_dtype=resolve_accumulation_dtype(accumulation_dtype),
-            clip_mode=check_clip_mode(clip_mode),
-            noise_scale=check_bool("noise_scale", noise_scale),
-            noise_scale_decay=check_decay("noise_scale_decay", noise_scale_decay),
-            noise_scale_every=check_positive_int("noise_scale_every", noise_scale_every),
-        )
-        per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
-        if settings.noise_scale and per_micro_batch:
+    def __post_init__(self) -> None:
+        for setting in fields(self):  # each value checked and normalized by its own declaration
+            object.__setattr__(self, setting.name, setting.metadata["check"](getattr(self, setting.name)))
+        per_micro_batch = self.overflow == "skip_micro_batch" or self.clip_mode == "micro_batch"
+        if self.noise_scale and per_micro_batch:
             raise ValueError(
                 "`noise_scale=True` cannot be combined with `overflow='skip_micro_batch'` or"
                 " `clip_mode='micro_batch'`: they drop or clip single micro-batches, so the window's gradient"
                 " is no longer the mean of the micro-batch gradients the estimate compares it with."
             )
-        check_buffer_settings(
-            settings.overflow, settings.clip_mode, settings.accumulation_dtype, settings.max_grad_norm
-        )
-        if settings.clip_scope == "parameter" and settings.max_grad_norm is None:
+        check_buffer_settings(self.overflow, self.clip_mode, self.accumulation_dtype, self.max_grad_norm)
+        if self.clip_scope == "parameter" and self.max_grad_norm is None:
             raise ValueError(
                 "`clip_scope='parameter'` clips each parameter's gradient to `max_grad_norm`, which is not"
                 " set."
             )
-        if settings.clip_scope == "parameter" and settings.clip_mode == "micro_batch":
+        if self.clip_scope == "parameter" and self.clip_mode == "micro_batch":
             raise ValueError(
                 "`clip_scope='parameter'` is not available with `clip_mode='micro_batch'` (which clips each"
                 " micro-batch's global norm); use `clip_mode='step'`."
             )
-        return settings
+
+    @property
+    def per_micro_batch(self) -> bool:
+        """Whether each micro-batch's gradient is checked or clipped on its own."""
+        return self.overflow == "skip_micro_batch" or self.clip_mode == "micro_batch"
+
+
+SETTINGS = tuple(setting.name for setting in fields(AccumulationSettings))
+
+
+def setting_docs(indent: int = 8) -> str:
+    """Every setting's documentation as the entries of a Google-style ``Args:`` section.
+
+    Example:
+        >>> print(setting_docs(0).splitlines()[0][:40])
+        scaling: ``"mean"`` (alias ``"average"``
+    """
+    lines = []
+    for setting in fields(AccumulationSettings):
+        words, line = setting.metadata["doc"].split(), f"{setting.name}:"
+        for word in words:
+            if len(line) + 1 + len(word) > 110 - indent - 4 and line.strip():
+                lines.append(" " * indent + line)
+                line = "    " + word
+            else:
+                line += " " + word
+        lines.append(" " * indent + line)
+    return "\n".join(lines)
+
+
+def with_setting_docs(doc: str | None, marker: str = "Math settings:") -> str:
+    """``doc`` with the line holding ``marker`` replaced by :func:`setting_docs` at its indentation."""
+    assert doc is not None and marker in doc, marker
+    lines = doc.splitlines()
+    at = next(i for i, line in enumerate(lines) if marker in line)
+    indent = len(lines[at]) - len(lines[at].lstrip())
+    return "\n".join([*lines[:at], setting_docs(indent), *lines[at + 1 :]])
+
+
+# The class's own documentation of each field, from the one declaration.
+AccumulationSettings.__doc__ = f"{AccumulationSettings.__doc__}\n    Attributes:\n{setting_docs(8)}\n"

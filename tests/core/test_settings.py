@@ -1,4 +1,5 @@
-"""Argument checks of GradAccumulator (shared with the callback): each names the argument and the value."""
+"""The math settings declared once (`core/settings.py`), and the argument checks of GradAccumulator (shared
+with the callback): each error names the argument and the value."""
 
 from __future__ import annotations
 
@@ -69,3 +70,25 @@ def test_invalid_buffer_settings(kwargs: dict, match: str) -> None:
         GradientAccumulationCallback(4, **kwargs)
     with pytest.raises(ValueError, match=match):
         GradAccumulator(nn.Linear(2, 1).parameters(), 4, **kwargs)
+
+
+def test_the_settings_are_declared_once_and_the_callback_takes_each_by_keyword() -> None:
+    """The callback keeps explicit keyword arguments (LightningCLI reads them): the same names and defaults
+    as the declaration, and every docstring that lists a setting takes its text from it."""
+    import dataclasses
+    import inspect
+
+    from lightning_gradacc.callback import GradientAccumulationLogic
+    from lightning_gradacc.core.settings import AccumulationSettings
+
+    declared = {f.name: f.default for f in dataclasses.fields(AccumulationSettings)}
+    parameters = inspect.signature(GradientAccumulationCallback.__init__).parameters
+    assert {name: parameters[name].default for name in declared} == declared
+    for holder in (AccumulationSettings, GradAccumulator, GradientAccumulationLogic):
+        for setting in dataclasses.fields(AccumulationSettings):
+            first_words = " ".join(setting.metadata["doc"].split()[:6])
+            assert f"{setting.name}: {first_words}" in " ".join((holder.__doc__ or "").split()), holder
+    with pytest.raises(ValueError, match="either as `settings=` or by keyword"):
+        GradAccumulator([torch.zeros(1, requires_grad=True)], settings=AccumulationSettings(), scaling="sum")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_norm'"):
+        GradAccumulator([torch.zeros(1, requires_grad=True)], max_norm=1.0)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_gradacc.core import GradAccumulator
-from lightning_gradacc.core.device_step import DeviceStep, disarm, skips_on_device
+from lightning_gradacc.core.torch_internals import DeviceStep, disarm, skips_on_device
 from tests.syncs import SyncCounter
 
 

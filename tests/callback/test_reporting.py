@@ -32,7 +32,7 @@ def test_the_summary_shows_a_full_step_beside_the_last_partial_one() -> None:
 def test_the_summary_gives_the_noise_scale_its_unit_or_says_it_has_none(
     noise_scale: float, items: float, expected: str
 ) -> None:
-    from lightning_gradacc.summary import format_summary
+    from lightning_gradacc.reporting import format_summary
 
     stats = AccumulationStats(noise_scale=noise_scale, items_last_step=items, items_last_full_step=items)
     row = next(line for line in format_summary(stats, 0.5, None).splitlines() if "noise scale" in line)
@@ -53,7 +53,7 @@ def test_the_summary_says_which_side_of_the_noise_scale_the_run_is_on(
     noise: float, items: float, expected: str
 ) -> None:
     from lightning_gradacc import AccumulationStats
-    from lightning_gradacc.summary import format_summary, noise_sentence
+    from lightning_gradacc.reporting import format_summary, noise_sentence
 
     stats = AccumulationStats(items_last_step=items, noise_scale=noise)
     assert expected in (noise_sentence(stats) or "")
