@@ -5,6 +5,10 @@ Also bf16 parameters with fp32 buffers on CUDA (skipped without a GPU).
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -103,3 +107,45 @@ def test_skip_micro_batch_does_not_sync_while_accumulating() -> None:
             assert accumulator.finalize()
         assert counter.calls == ["tolist"]
     assert (accumulator.stats.dropped_micro_batches, accumulator.stats.non_finite_windows) == (1, 0)
+
+
+def test_a_window_s_buffers_are_released_as_its_gradients_are_written() -> None:
+    """The buffers live while their window does: none is alive once `.grad` holds the window's sum, so the
+    buffers and the final gradients are never both whole in memory (and the step runs beside neither)."""
+    import weakref
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).to(torch.bfloat16)
+    accumulator = GradAccumulator(net.parameters(), 2, accumulation_dtype="float32")
+    for _ in range(2):
+        accumulator.backward(net(torch.randn(3, 4, dtype=torch.bfloat16)).float().square().mean(), items=3)
+    buffers = [weakref.ref(b) for b in accumulator._buffers.window() if b is not None]  # type: ignore[union-attr]
+    assert len(buffers) == 4
+    assert accumulator.finalize()
+    assert all(ref() is None for ref in buffers)
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in net.parameters())
+    assert accumulator.stats.buffer_bytes == 4 * sum(p.numel() for p in net.parameters())  # per window
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/clear_refs")
+def test_a_narrower_gradient_is_added_on_a_cpu_without_a_whole_cast_copy() -> None:
+    """torch's CPU `add_` casts a bf16 input to fp32 as a copy of the whole tensor (64 MiB here): added in
+    chunks, the peak rises by a chunk's cast only, and the sum is the same element by element."""
+    from lightning_gradacc.core.buffers import add_widening_
+
+    def peak_rise(add: Callable[[torch.Tensor, torch.Tensor], None]) -> float:
+        buffer, grad = torch.zeros(2**24), torch.full((2**24,), 0.5, dtype=torch.bfloat16)
+        Path("/proc/self/clear_refs").write_text("5")  # reset this process's resident-set peak
+        before = _resident_peak()
+        add(buffer, grad)
+        rise = (_resident_peak() - before) / 2**20
+        assert bool((buffer == 0.5).all())
+        return rise
+
+    assert peak_rise(lambda b, g: b.add_(g)) > 48  # the control: the whole cast copy, 64 MiB
+    assert peak_rise(add_widening_) < 8
+
+
+def _resident_peak() -> int:
+    import re
+
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024  # type: ignore[union-attr]

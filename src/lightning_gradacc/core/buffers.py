@@ -27,12 +27,45 @@ from .weighting import GradientScale, ItemCount
 from .window import Window
 from .world import AllReduce, World
 
+# Elements per add of a narrower gradient into a wider buffer on a CPU (see `add_widening_`): a 1 MiB cast.
+WIDENING_CHUNK = 2**18
+
+
+def add_widening_(target: Tensor, source: Tensor) -> None:
+    """``target.add_(source)``; on a CPU, a narrower ``source`` is added in chunks.
+
+    torch's CPU kernels cast an input of another dtype to the common one as a temporary copy of the whole
+    tensor (TensorIterator's CPU path; CUDA casts inside the kernel): a bf16 gradient added into its fp32
+    buffer would hold 4 more bytes per element for the length of the add, the largest parameter's whole
+    gradient in fp32 at the backward's peak. In chunks of :data:`WIDENING_CHUNK` elements the temporary is
+    1 MiB; each element's sum is the same.
+
+    Example:
+        >>> buffer = torch.zeros(5)
+        >>> add_widening_(buffer, torch.ones(5, dtype=torch.bfloat16))
+        >>> buffer
+        tensor([1., 1., 1., 1., 1.])
+    """
+    if (
+        target.dtype == source.dtype
+        or target.device.type != "cpu"
+        or source.numel() <= WIDENING_CHUNK
+        or not (target.is_contiguous() and source.is_contiguous())
+    ):
+        target.add_(source)
+        return
+    flat_target, flat_source = target.view(-1), source.view(-1)
+    for start in range(0, flat_source.numel(), WIDENING_CHUNK):
+        flat_target[start : start + WIDENING_CHUNK].add_(flat_source[start : start + WIDENING_CHUNK])
+
 
 class GradBuffers:
-    """One buffer per parameter, allocated on the parameter's device when it first receives a gradient.
+    """One buffer per parameter and window, allocated on the parameter's device when its first gradient comes.
 
-    A parameter that never gets a gradient (frozen, or unused) costs nothing; one unfrozen later gets its
-    buffer then.
+    A buffer lives while its window does: it is released the moment its sum is written into ``.grad`` (the
+    buffers and the final gradients are never both whole in memory) or the window is discarded, and the next
+    window allocates it again. A parameter that never gets a gradient (frozen, or unused) costs nothing; one
+    unfrozen later gets its buffer then.
 
     Args:
         named_parameters: The parameters and their names.
@@ -59,6 +92,7 @@ class GradBuffers:
         # Per parameter: whether its buffer holds a gradient of the open window. A buffer that does not is
         # overwritten (not added to) by the next gradient, which saves a zeroing pass per window.
         self._holds: list[bool] = []
+        self._nbytes: list[int] = []  # per parameter, its buffer's bytes (0 until its first gradient)
         self.retrack(named_parameters)
 
     def retrack(self, named_parameters: Sequence[tuple[str, Tensor]]) -> None:
@@ -71,18 +105,30 @@ class GradBuffers:
                     f" ({param.dtype}); use a dtype that holds it exactly, e.g. {wide_enough}."
                 )
         old = {
-            id(param): (buffer, holds)
-            for param, buffer, holds in zip(self.params, self._buffers, self._holds, strict=True)
+            id(param): (buffer, holds, size)
+            for param, buffer, holds, size in zip(
+                self.params, self._buffers, self._holds, self._nbytes, strict=True
+            )
         }
         self.params = [param for _, param in named_parameters]
-        kept = [old.get(id(param), (None, False)) for param in self.params]
-        self._buffers = [buffer for buffer, _ in kept]
-        self._holds = [holds for _, holds in kept]
+        kept = [old.get(id(param), (None, False, 0)) for param in self.params]
+        self._buffers = [buffer for buffer, _, _ in kept]
+        self._holds = [holds for _, holds, _ in kept]
+        self._nbytes = [size for _, _, size in kept]
+
+    def _buffer(self, index: int, like: Tensor, *, zeros: bool = False) -> Tensor:
+        """Parameter ``index``'s buffer, allocated (uninitialized, or ``zeros``) like ``like`` if released."""
+        buffer = self._buffers[index]
+        if buffer is None:
+            buffer = (torch.zeros_like if zeros else torch.empty_like)(like, dtype=self.dtype)
+            self._buffers[index] = buffer
+            self._nbytes[index] = buffer.numel() * buffer.element_size()
+        return buffer
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the buffers (0 until a parameter receives its first gradient)."""
-        return sum(b.numel() * b.element_size() for b in self._buffers if b is not None)
+        """Bytes the buffers take while a window holds them (a parameter's count once it got a gradient)."""
+        return sum(self._nbytes)
 
     @property
     def holds_window(self) -> bool:
@@ -119,9 +165,7 @@ class GradBuffers:
         copy_from: list[Tensor] = []
         for i, grad in zip(indices, grads, strict=True):
             assert grad is not None
-            buffer = self._buffers[i]
-            if buffer is None:
-                buffer = self._buffers[i] = torch.empty_like(grad, dtype=self.dtype)  # local: 1 / world
+            buffer = self._buffer(i, grad)  # a local shard when sharded: 1 / world
             (add_to if self._holds[i] else copy_to).append(buffer)
             (add_from if self._holds[i] else copy_from).append(grad)
             self._holds[i] = True
@@ -153,20 +197,19 @@ class GradBuffers:
             return
         if grad.requires_grad:  # a backward with create_graph=True: the buffer stays out of the graph
             grad = grad.detach()
-        buffer = self._buffers[index]
-        if buffer is None:
-            buffer = self._buffers[index] = torch.empty_like(grad, dtype=self.dtype)
+        buffer = self._buffer(index, grad)
         if self._holds[index]:
-            buffer.add_(grad)
+            add_widening_(buffer, grad)
         else:
-            buffer.copy_(grad)
+            buffer.copy_(grad)  # a copy casts inside the kernel: no temporary
             self._holds[index] = True
         param.grad = None
 
     def _add(self, targets: list[Tensor], grads: list[Tensor]) -> None:
-        if self.foreach is False:
+        widening_on_cpu = targets[0].device.type == "cpu" and any(g.dtype != self.dtype for g in grads)
+        if self.foreach is False or widening_on_cpu:  # the foreach add casts on a CPU as `add_` does
             for target, grad in zip(targets, grads, strict=True):
-                target.add_(grad)
+                add_widening_(target, grad)
         else:
             torch._foreach_add_(targets, grads)
 
@@ -178,19 +221,25 @@ class GradBuffers:
             torch._foreach_copy_(targets, grads)
 
     def write_to_grads(self) -> None:
-        """Set every ``.grad`` to its buffer, cast to the parameter's dtype; the buffers become free again.
+        """Set every ``.grad`` to its buffer, cast to the parameter's dtype, releasing each buffer as it goes.
 
         Called at the boundary (after scaling), or before the backward that DDP synchronizes or a GradScaler
         unscales, so that the window's sum takes part in them. Parameters without a gradient in the window
-        keep ``.grad = None`` (optimizers skip them, as without buffers).
+        keep ``.grad = None`` (optimizers skip them, as without buffers). Each buffer is released right after
+        its gradient is written (a buffer of the parameter's dtype becomes the gradient itself), so the
+        memory holds at most the buffers and one parameter's gradient, then only the gradients.
         """
         if not self.holds_window:
             return
-        for i, (param, buffer) in enumerate(zip(self.params, self._buffers, strict=True)):
+        for i, param in enumerate(self.params):
             if self._holds[i]:
+                buffer, self._buffers[i] = self._buffers[i], None
                 assert buffer is not None
-                param.grad = as_sharded_like(param, buffer.to(param.dtype, copy=True))
                 self._holds[i] = False
+                param.grad = as_sharded_like(
+                    param, buffer if buffer.dtype == param.dtype else buffer.to(param.dtype)
+                )
+                del buffer  # released before the next parameter's gradient is made
 
     def load(self, tensors: Sequence[Tensor | None]) -> None:
         """Make ``tensors`` the sum of the open window (restoring a saved window); ``None``: no gradient."""
@@ -200,9 +249,7 @@ class GradBuffers:
         for i, tensor in enumerate(tensors):
             if tensor is None:
                 continue
-            if self._buffers[i] is None:
-                self._buffers[i] = torch.empty_like(tensor, dtype=self.dtype)  # a local shard when sharded
-            targets.append(self._buffers[i])  # type: ignore[arg-type]
+            targets.append(self._buffer(i, tensor))  # a local shard when sharded
             sources.append(tensor)
             self._holds[i] = True
         if targets:
@@ -222,10 +269,10 @@ class GradBuffers:
         """
         taking_part = [i for i, held in enumerate(held_anywhere) if held]
         for i in taking_part:
-            if self._buffers[i] is None:
-                self._buffers[i] = torch.zeros_like(self.params[i], dtype=self.dtype)
-            elif not self._holds[i]:
-                self._buffers[i].zero_()  # type: ignore[union-attr]
+            if self._holds[i]:
+                continue
+            self._buffers[i] = None  # this rank has none of it: zeros
+            self._buffer(i, self.params[i], zeros=True)
             self._holds[i] = True
         buffers = [buffer for i in taking_part if (buffer := self._buffers[i]) is not None]
         # One all-reduce per bucket of up to 2**25 elements: few calls, bounded extra memory.
@@ -256,12 +303,14 @@ class GradBuffers:
         self.average_over_ranks(all_reduce, world_size, [count > 0 for count in anywhere])
 
     def forget(self, index: int) -> None:
-        """Take parameter ``index`` out of the open window (its buffer is overwritten next time)."""
+        """Take parameter ``index`` out of the open window (its buffer is released)."""
         self._holds[index] = False
+        self._buffers[index] = None
 
     def discard(self) -> None:
-        """Forget the open window (the next gradients overwrite the buffers)."""
+        """Forget the open window and release its buffers (the next window allocates them again)."""
         self._holds = [False] * len(self.params)
+        self._buffers = [None] * len(self.params)
 
 
 class MicroBatchIntake:

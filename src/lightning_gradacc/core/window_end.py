@@ -176,6 +176,7 @@ class WindowEnd:
         apply_(sums.grouped, decision, clip_value=self.settings.clip_value, foreach=self.foreach)
         if window.sums_in_buffers:
             assert self.buffers is not None
+            del sums  # its lists hold every buffer: each is released as its gradient is written
             self.buffers.write_to_grads()  # one rounding to the parameters' dtype, at the end
         return True, step
 
