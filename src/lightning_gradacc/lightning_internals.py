@@ -8,6 +8,8 @@ imports Lightning: the functions work on the objects of either namespace.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +57,7 @@ def load_train_data(trainer: pl.Trainer) -> None:
 
     ``_FitLoop.setup_data`` (``loops/fit_loop.py``; ``trainer/trainer.py`` calls it for the estimate). On
     an error it forgets ``_FitLoop._combined_loader``: a half-built loader would be kept, and the fit would
-    not load it again.
+    not load it again. Call it inside :func:`reading_train_data_early`.
 
     Raises:
         Exception: Whatever loading raised (e.g. data built in ``LightningModule.setup``, not yet run).
@@ -65,6 +67,37 @@ def load_train_data(trainer: pl.Trainer) -> None:
     except Exception:
         trainer.fit_loop._combined_loader = None
         raise
+
+
+@contextlib.contextmanager
+def reading_train_data_early(trainer: pl.Trainer) -> Iterator[list[bool]]:
+    """Let the train dataloader be built early; yields ``[built]``: whether it was built inside.
+
+    ``_FitLoop.setup_data`` loads the dataloaders' saved states (``_load_combined_loader_states``, e.g. a
+    ``StatefulDataLoader``'s position) only when it builds ``_FitLoop._combined_loader``; built before a
+    checkpoint's loop state is restored (for ``trainer.estimated_stepping_batches`` or a target batch
+    size), the loader is never built again and a resume restarts the epoch's data from its start (Lightning
+    #20550, open in 2.6). Where a checkpoint is already known to be restored (``trainer.ckpt_path``, set
+    after ``setup``), a loader built here is forgotten at once; one built in ``setup`` is forgotten by
+    :func:`forget_train_data` when the checkpoint's state arrives. Either way the fit builds it again after
+    the restore: the user's ``train_dataloader()`` runs twice on a resume.
+    """
+    built_before = trainer.fit_loop._combined_loader is not None
+    built = [False]
+    try:
+        yield built
+    finally:
+        built[0] = not built_before and trainer.fit_loop._combined_loader is not None
+        if built[0] and trainer.ckpt_path is not None:
+            forget_train_data(trainer)
+
+
+def forget_train_data(trainer: pl.Trainer) -> None:
+    """Drop a train dataloader built before a checkpoint's restore: ``_FitLoop._combined_loader = None``.
+
+    The fit builds it again and loads its saved state (see :func:`reading_train_data_early`).
+    """
+    trainer.fit_loop._combined_loader = None
 
 
 def logs_this_step(trainer: pl.Trainer) -> bool:

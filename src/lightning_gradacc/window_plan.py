@@ -128,6 +128,7 @@ class WindowPlan:
         self._trainer: weakref.ref[pl.Trainer] | None = None  # the Trainer K was last written into
         self._written: int | None = None  # the value last written into it
         self._user_k: int | None = None  # its `accumulate_grad_batches` as the user set it
+        self._built_train_data = False  # the train dataloader was built in `setup` (a target batch size)
         self._accumulator: GradAccumulator | None = None  # the fit's, once attached
         self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks (lr_scaling)
         self._saved_lrs: list[tuple[dict[str, Any], Any]] = []
@@ -179,7 +180,8 @@ class WindowPlan:
                 then simulated from the train dataloader's batch sizes; with tokens it cannot be known
                 before the data is read, and ``ValueError`` says so.
         """
-        lightning_estimate = trainer.estimated_stepping_batches  # loads the train dataloader if needed
+        with internals.reading_train_data_early(trainer):  # loads the train dataloader if needed
+            lightning_estimate = trainer.estimated_stepping_batches
         policy = self._policy
         batches = trainer.num_training_batches
         if (
@@ -260,6 +262,7 @@ class WindowPlan:
             )
         self.run = self.policy.for_fit(self._user_k or 1)
         self._accumulator = None
+        self._built_train_data = False
         self.position.batches_in_window = 0
         if isinstance(self.run, TargetBatchSize):  # now, so that `configure_optimizers` sees K
             self._resolve_target_early(trainer, warn)
@@ -373,6 +376,10 @@ class WindowPlan:
             batches_in_window=int(state["batches_in_window"]),
         )
         self._policy.load_state_dict(state.get("policy") or {})
+        trainer = self._trainer() if self._trainer is not None else None
+        if self._built_train_data and trainer is not None:  # built in `setup`, before the loop's state
+            internals.forget_train_data(trainer)  # the fit builds it again and restores its position
+            self._built_train_data = False
 
     # ------------------------------------------------------------------------------ learning rate
 
@@ -407,17 +414,20 @@ class WindowPlan:
 
     def _resolve_target_early(self, trainer: pl.Trainer, warn: Warn) -> None:
         """Resolve K from the target batch size in ``setup``, so that ``configure_optimizers`` sees it."""
-        try:
-            internals.load_train_data(trainer)  # what `trainer.estimated_stepping_batches` does
-        except Exception as error:  # e.g. data built in LightningModule.setup, which runs after this hook
-            warn(
-                f"`{self.policy.describe()}` could not read the train dataloader in"
-                f" `setup` ({type(error).__name__}: {error}); K is resolved when training starts instead, so"
-                " `trainer.estimated_stepping_batches` in `configure_optimizers` assumes K=1. Build the data"
-                " in `__init__`, `prepare_data` or a LightningDataModule, or set `accumulation_steps`."
-            )
-            return
-        self._resolve_target(trainer, warn)
+        with internals.reading_train_data_early(trainer) as built:
+            try:
+                internals.load_train_data(trainer)  # what `trainer.estimated_stepping_batches` does
+            except Exception as error:  # e.g. data built in LightningModule.setup, which runs after this hook
+                warn(
+                    f"`{self.policy.describe()}` could not read the train dataloader in `setup`"
+                    f" ({type(error).__name__}: {error}); K is resolved when training starts instead, so"
+                    " `trainer.estimated_stepping_batches` in `configure_optimizers` assumes K=1. Build the"
+                    " data in `__init__`, `prepare_data` or a LightningDataModule, or set"
+                    " `accumulation_steps`."
+                )
+                return
+            self._resolve_target(trainer, warn)
+        self._built_train_data = built[0]  # forgotten if a checkpoint is restored (`load_state_dict`)
 
     def _resolve_target_again(self, trainer: pl.Trainer, warn: Warn) -> None:
         """Resolve K again at train start: the micro-batch size may have changed (``BatchSizeFinder``)."""

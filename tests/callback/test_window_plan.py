@@ -250,3 +250,148 @@ def test_k_is_written_by_the_window_plan_alone() -> None:
                 if isinstance(target, ast.Attribute) and target.attr in k_names:
                     writers[path.name] = writers.get(path.name, 0) + 1
     assert set(writers) == {"window_plan.py"}, writers
+
+
+# ----------------------------------------------------- every policy through every transition of a window
+
+POLICIES: dict[str, dict[str, Any]] = {
+    "fixed": {"accumulation_steps": 3},
+    "epochs": {"accumulation_steps": {0: 2, 1: 3}},
+    "target": {"target_batch_size": 12},  # micro-batches of 4: K=3
+    "target_per_stage": {"target_batch_size": {0: 8, 2: 12}, "schedule_unit": "steps"},  # K=2, then 3
+    "steps": {"accumulation_steps": {0: 2, 2: 3}, "schedule_unit": "steps"},
+    "items": {"accumulation_steps": {0: 1, 12: 2, 20: 3}, "schedule_unit": "items"},
+}
+
+
+def policy_windows(
+    name: str, epochs: int, *, skipped: int | None = None, steps: int = 0, items: float = 0.0
+) -> list[tuple[list[int], int]]:
+    """The windows (micro-batch indices per epoch) each policy implies, with their K.
+
+    ``skipped``: a batch whose `training_step` returns None in every epoch (it holds no items); ``steps`` and
+    ``items``: where a schedule keyed by them stands when the first window opens.
+    """
+    if name in ("fixed", "target"):
+        return [(window, 3) for window in h.windows(BATCHES, 3, epochs=epochs)]
+    if name == "epochs":
+        return [
+            (w, 2 if e == 0 else 3) for e in range(epochs) for w in h.windows(BATCHES, 2 if e == 0 else 3)
+        ]
+    schedule, unit = ({0: 2, 2: 3}, "steps") if name != "items" else ({0: 1, 12: 2, 20: 3}, "items")
+    return h.keyed_windows(
+        schedule,
+        BATCHES,
+        epochs=epochs,
+        unit=unit,
+        items=lambda b: 0.0 if b == skipped else 4.0,
+        steps=steps,
+        consumed=items,
+    )
+
+
+def first_transition(name: str) -> int:
+    """The first micro-batch of the first window whose K differs from the one before (of the second window
+    where K never changes): a save after it is inside a window right after a transition."""
+    keyed = policy_windows(name, EPOCHS)
+    index = next((i for i in range(1, len(keyed)) if keyed[i][1] != keyed[i - 1][1]), 1)
+    return sum(len(window) for window, _ in keyed[:index])
+
+
+class SkipsBatchFive(Stateful):
+    """`training_step` returns None for batch 5 of every epoch; validation every 3 batches if asked."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 5 else loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val", h.mse(self.net, *batch))
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(h.regression_data(8), batch_size=4)
+
+
+def _reference(windows: list[tuple[list[int], int]]) -> torch.nn.Module:
+    return h.regression_reference([window for window, _ in windows])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_resumes_inside_the_first_window_after_a_transition(tmp_path: Path, policy: str) -> None:
+    at = first_transition(policy)
+    path = tmp_path / "mid.ckpt"
+    h.preempt(Stateful(h.regression_data(40)), [GradientAccumulationCallback(**POLICIES[policy])], at, path)
+    resumed = Stateful(h.regression_data(40))
+    h.trainer(callbacks=[GradientAccumulationCallback(**POLICIES[policy])], max_epochs=EPOCHS).fit(
+        resumed, ckpt_path=path
+    )
+    assert h.max_abs_diff(resumed.net, _reference(policy_windows(policy, EPOCHS))) < 1e-6
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_starts_the_fit_after_an_interrupted_one_with_a_window_of_its_own(policy: str) -> None:
+    """Interrupted inside the first window after a transition, then a fit on a fresh model with the same
+    callback: a policy keyed by steps or items goes on from the windows the first fit closed."""
+    at = first_transition(policy)
+    callback = GradientAccumulationCallback(**POLICIES[policy])
+    with pytest.raises(RuntimeError, match="boom"):
+        h.trainer(callbacks=[callback, RaiseAfter(at, RuntimeError("boom"))], max_epochs=EPOCHS).fit(
+            h.RegressionModule(h.regression_data(40))
+        )
+    module = h.RegressionModule(h.regression_data(40))
+    h.trainer(callbacks=[callback]).fit(module)
+    if POLICIES[policy].get("schedule_unit") in ("steps", "items"):  # the count goes on
+        closed = [window for window, _ in policy_windows(policy, 1) if window[-1] < at]
+        expected = policy_windows(policy, 1, steps=len(closed), items=4.0 * sum(map(len, closed)))
+    else:
+        expected = policy_windows(policy, 1)
+    assert h.max_abs_diff(module.net, _reference(expected)) < 1e-6
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_with_validation_inside_windows_and_a_none_step(policy: str) -> None:
+    module = SkipsBatchFive(h.regression_data(40))
+    callback = GradientAccumulationCallback(**POLICIES[policy])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`training_step` returned `None`")
+        h.trainer(callbacks=[callback], max_epochs=EPOCHS, val_check_interval=3, limit_val_batches=1).fit(
+            module
+        )
+    windows = [([b for b in window if b != 5], k) for window, k in policy_windows(policy, EPOCHS, skipped=5)]
+    assert h.max_abs_diff(module.net, _reference(windows)) < 1e-6
+
+
+class OneCycleStateful(Stateful):
+    """A `OneCycleLR` built in `configure_optimizers` from `estimated_stepping_batches(trainer)` (or from
+    Lightning's own estimate), over a `StatefulDataLoader`."""
+
+    def __init__(self, ours: bool) -> None:
+        super().__init__(h.regression_data(40))
+        self.ours = ours
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        total = (
+            estimated_stepping_batches(self.trainer) if self.ours else self.trainer.estimated_stepping_batches
+        )
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=int(total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@pytest.mark.parametrize("ours", [True, False], ids=["estimated_stepping_batches", "lightning_estimate"])
+def test_a_step_estimate_in_configure_optimizers_keeps_the_dataloader_s_position_on_resume(
+    tmp_path: Path, ours: bool
+) -> None:
+    """Lightning builds the train dataloader for its estimate before a checkpoint's loop state is restored
+    and never loads the loader's saved position then (Lightning #20550): the resumed run reads the epoch
+    from its start. The package's estimate lets the fit build it again after the restore."""
+    whole = OneCycleStateful(ours)
+    h.trainer(callbacks=[GradientAccumulationCallback({0: 2, 1: 3})], max_epochs=EPOCHS).fit(whole)
+    path = tmp_path / "mid.ckpt"
+    h.preempt(OneCycleStateful(ours), [GradientAccumulationCallback({0: 2, 1: 3})], 5, path)
+    resumed = OneCycleStateful(ours)
+    h.trainer(callbacks=[GradientAccumulationCallback({0: 2, 1: 3})], max_epochs=EPOCHS).fit(
+        resumed, ckpt_path=path
+    )
+    difference = h.max_abs_diff(resumed.net, whole.net)
+    assert difference < 1e-7 if ours else difference > 1e-3
