@@ -187,13 +187,15 @@ class OneCycle(h.RegressionModule):
         self.trainer.callback_metrics["stepped"] = torch.tensor(float(self.trainer.global_step))
 
 
-@pytest.mark.parametrize("limit", [9, 0.9], ids=["int", "fraction"])
-@pytest.mark.parametrize("schedule", [{0: 1, 35: 3}, {0: 4, 35: 1}], ids=str)
+@pytest.mark.parametrize("limit", [9, 0.9, 1.0], ids=["int", "fraction", "whole_epoch"])
+@pytest.mark.parametrize("schedule", [{0: 1, 35: 3}, {0: 4, 35: 1}, {0: 1, 38: 5, 40: 3}], ids=str)
 def test_the_steps_of_an_items_keyed_schedule_when_the_last_batch_that_runs_is_full(
     schedule: dict[int, int], limit: float
 ) -> None:
     """38 samples in batches of 4 (the dataset's last batch holds 2), `limit_train_batches` 9: the last batch
-    that runs holds 4. The estimate equals the steps taken, so a OneCycleLR built from it completes."""
+    that runs holds 4 (a whole epoch: 2). The estimate equals the steps taken, so a OneCycleLR built from it
+    completes. `{0: 1, 38: 5, 40: 3}` takes 17 steps with the 38 items of a whole epoch (18 if its last batch
+    counted 4, 40 items), 16 with the 36 of 9 batches (15 if the last of them counted as the dataset's 2)."""
     module = OneCycle(h.regression_data(38))
     callback = GradientAccumulationCallback(schedule, schedule_unit="items")
     trainer = h.trainer(callbacks=[callback], max_epochs=3, limit_train_batches=limit)
@@ -204,8 +206,9 @@ def test_the_steps_of_an_items_keyed_schedule_when_the_last_batch_that_runs_is_f
 @pytest.mark.slow
 def test_the_steps_of_an_items_keyed_schedule_with_the_ddp_sampler_padding_each_rank() -> None:
     """37 samples over 2 ranks: Lightning's DistributedSampler pads each rank to 19 (batches of 4, 4, 4, 4, 3
-    per rank; 8, 8, 8, 8, 6 over the ranks)."""
-    callback = GradientAccumulationCallback({0: 1, 38: 3}, schedule_unit="items")
+    per rank; 8, 8, 8, 8, 6 over the ranks): 38 items an epoch, for which `{0: 1, 38: 5, 40: 3}` takes 8
+    steps (10 counting the 37 samples, 9 counting whole batches, 40 items)."""
+    callback = GradientAccumulationCallback({0: 1, 38: 5, 40: 3}, schedule_unit="items")
     trainer = h.ddp_trainer(callback, max_epochs=3, use_distributed_sampler=True)
     trainer.fit(OneCycle(h.regression_data(37)))
     assert float(trainer.callback_metrics["estimated"]) == float(trainer.callback_metrics["stepped"])

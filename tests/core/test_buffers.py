@@ -149,3 +149,25 @@ def _resident_peak() -> int:
     import re
 
     return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024  # type: ignore[union-attr]
+
+
+def test_writing_the_window_into_grad_releases_each_buffer_at_once() -> None:
+    """Each buffer is released as its gradient is written, before the next window (not only when it opens):
+    right after `write_to_grads` no buffer is alive, and a buffer of the parameter's dtype is the gradient."""
+    import weakref
+
+    from lightning_gradacc.core.buffers import GradBuffers
+
+    wide = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    same = nn.Parameter(torch.zeros(2, dtype=torch.float32))
+    buffers = GradBuffers([("wide", wide), ("same", same)], torch.float32)
+    wide.grad, same.grad = torch.ones(3, dtype=torch.bfloat16), torch.ones(2)
+    buffers.absorb()
+    held = [weakref.ref(b) for b in buffers.window() if b is not None]
+    same_buffer = buffers.window()[1]
+    buffers.write_to_grads()
+    assert same.grad is same_buffer  # no copy where the dtypes agree
+    del same_buffer
+    same.grad = None
+    assert [ref() is None for ref in held] == [True, True]
+    assert wide.grad is not None and wide.grad.dtype == torch.bfloat16 and buffers.nbytes == 3 * 4 + 2 * 4

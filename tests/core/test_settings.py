@@ -92,3 +92,19 @@ def test_the_settings_are_declared_once_and_the_callback_takes_each_by_keyword()
         GradAccumulator([torch.zeros(1, requires_grad=True)], settings=AccumulationSettings(), scaling="sum")
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_norm'"):
         GradAccumulator([torch.zeros(1, requires_grad=True)], max_norm=1.0)
+
+
+def test_each_setting_is_normalized_by_its_declaration() -> None:
+    """Aliases resolved, numbers made floats, dtype names made dtypes: what the core computes with."""
+    from lightning_gradacc.core.settings import AccumulationSettings
+
+    settings = AccumulationSettings(
+        scaling="dynamic", norm_type="inf", max_grad_norm=1, clip_value=2, accumulation_dtype="fp32"
+    )
+    assert (settings.scaling, settings.norm_type, settings.accumulation_dtype) == (
+        "weighted",
+        math.inf,
+        torch.float32,
+    )
+    assert type(settings.max_grad_norm) is float and type(settings.clip_value) is float
+    assert AccumulationSettings(scaling="average").scaling == "mean"
