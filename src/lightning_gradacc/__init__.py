@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .core import AccumulationStats, GradAccumulator, GradientOverflowError
-from .k_policies import linear_ramp
+from .k_policies import AutoSettings, linear_ramp
 
 if TYPE_CHECKING:
     from .callback import GradientAccumulationCallback, estimated_stepping_batches
@@ -18,6 +18,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AccumulationStats",
+    "AutoSettings",
     "GradAccumulator",
     "GradientAccumulationCallback",
     "GradientOverflowError",

@@ -33,7 +33,7 @@ from .core.settings import SETTINGS, AccumulationSettings, with_setting_docs
 from .core.torch_internals import disarm
 from .counters import check_item_count_fn, count_micro_batch
 from .fit_accumulator import ParameterGroups, SavedState, build_accumulator
-from .k_policies import make_policy
+from .k_policies import AutoSettings, make_policy
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
 from .reduction import WindowReduction, check_reduction
 from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from here too
@@ -64,17 +64,19 @@ class _Batch:
     finalized: bool = False  # the window was finalized (stepped or skipped) in it; LBFGS may re-evaluate
 
 
-def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
+def estimated_stepping_batches(trainer: pl.Trainer, *, most: bool = False) -> int | float:
     """The exact number of optimizer steps of ``trainer``'s fit, for step-interval LR schedulers.
 
     With a :class:`GradientAccumulationCallback` this follows its plan (an epoch schedule changes K per
     epoch, which ``trainer.estimated_stepping_batches`` ignores); without one it is Lightning's estimate.
     Call it where Lightning's is called, e.g. in ``configure_optimizers``:
-    ``OneCycleLR(optimizer, max_lr=0.1, total_steps=estimated_stepping_batches(self.trainer))``.
+    ``OneCycleLR(optimizer, max_lr=0.1, total_steps=estimated_stepping_batches(self.trainer))``. With
+    ``accumulation_steps="auto"`` the count is not known before training (``ValueError``); ``most=True``
+    gives the most steps the fit can take.
     """
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, GradientAccumulationLogic):
-            return callback.estimated_stepping_batches(trainer)
+            return callback.estimated_stepping_batches(trainer, most=most)
     return trainer.estimated_stepping_batches
 
 
@@ -87,15 +89,14 @@ class GradientAccumulationLogic(_LogicBase):
     micro-batches and ranks. It also detects non-finite gradients once per step, clips the final gradient
     once, and logs what happened in each window under ``grad_accum/``.
 
-    It puts itself first among the Trainer's callbacks, so that every other callback and the
-    LightningModule see the final gradient in ``on_before_optimizer_step``. (One exception: under a
-    GradScaler, when the batch that ends a window returns ``None``, Lightning takes no step and the callback
-    steps the window itself in that hook, so later hooks run after the step.)
+    It puts itself first among the Trainer's callbacks: every other callback and the module see the final
+    gradient in ``on_before_optimizer_step`` (after the step, where it steps a window itself).
 
     Args:
         accumulation_steps: K; or a schedule ``{threshold: K}`` of ``schedule_unit`` (by epoch: as Lightning's
-            ``GradientAccumulationScheduler``; keys may be written ``"10k"``, ``"2.4B"``); ``None`` adopts
-            ``Trainer(accumulate_grad_batches=...)``.
+            ``GradientAccumulationScheduler``; keys may be written ``"10k"``, ``"2.4B"``); ``"auto"``: chosen
+            window by window from the measured gradient noise scale (``auto``; ``noise_scale`` is then on);
+            ``None`` adopts ``Trainer(accumulate_grad_batches=...)``.
         target_batch_size: Items per optimizer step over all ranks; K = ceil(target / (micro-batch size x
             world size)), resolved in ``setup`` (before ``configure_optimizers``, so that
             ``trainer.estimated_stepping_batches`` is exact). Exclusive with ``accumulation_steps``.
@@ -117,6 +118,8 @@ class GradientAccumulationLogic(_LogicBase):
         lr_scaling: ``"none"``, ``"sqrt"`` or ``"linear"``: every step's learning rates are multiplied by
             (K of its window / K of the first window) to the power 0, 1/2 or 1, around the step only (LR
             schedulers never see it); logged as ``grad_accum/lr_factor``.
+        auto: How ``"auto"`` chooses K: the rule (an example budget, or goodput), the bounds, the hysteresis
+            (:class:`~lightning_gradacc.k_policies.AutoSettings`, its fields documented there).
         Math settings: (each field of ``AccumulationSettings``, documented there once, listed here)
 
     Attributes:
@@ -140,7 +143,7 @@ class GradientAccumulationLogic(_LogicBase):
 
     def __init__(
         self,
-        accumulation_steps: int | dict[int | str, int] | None = None,
+        accumulation_steps: int | dict[int | str, int] | Literal["auto"] | None = None,
         *,
         target_batch_size: int | None = None,
         scaling: Literal["mean", "sum", "weighted", "average", "dynamic"] = "mean",
@@ -161,11 +164,14 @@ class GradientAccumulationLogic(_LogicBase):
         noise_scale_every: int = 1,
         schedule_unit: Literal["epochs", "steps", "items"] = "epochs",
         lr_scaling: Literal["none", "sqrt", "linear"] = "none",
+        auto: AutoSettings | dict[str, Any] | None = None,
     ) -> None:
-        self.plan = WindowPlan(make_policy(accumulation_steps, target_batch_size, schedule_unit), lr_scaling)
+        policy = make_policy(accumulation_steps, target_batch_size, schedule_unit, auto)
+        self.plan = WindowPlan(policy, lr_scaling)
         self.sharded_reduction = check_reduction(sharded_reduction)
         given = locals()  # the math settings are declared once, by `AccumulationSettings`, which checks them
-        self.settings = AccumulationSettings(**{name: given[name] for name in SETTINGS})
+        implied = {"noise_scale": True} if policy.adaptive else {}  # "auto" decides from the noise scale
+        self.settings = AccumulationSettings(**{name: given[name] for name in SETTINGS} | implied)
         check_item_count_fn(item_count_fn, weighted=self.settings.scaling == "weighted", scaling=scaling)
         self.item_count_fn = item_count_fn
         if not isinstance(log_stats, bool):
@@ -225,12 +231,12 @@ class GradientAccumulationLogic(_LogicBase):
         """The core accumulator of the current run (``None`` before training starts)."""
         return self._accumulator
 
-    def estimated_stepping_batches(self, trainer: pl.Trainer) -> int | float:
+    def estimated_stepping_batches(self, trainer: pl.Trainer, *, most: bool = False) -> int | float:
         """The exact number of optimizer steps of this fit, following the epoch schedule if there is one.
 
         See the module-level :func:`estimated_stepping_batches`, which finds the callback for you.
         """
-        return self.plan.stepping_batches(trainer, counts_samples=self.item_count_fn is None)
+        return self.plan.stepping_batches(trainer, counts_samples=self.item_count_fn is None, most=most)
 
     # ------------------------------------------------------------------------------------- set-up
 
@@ -285,7 +291,10 @@ class GradientAccumulationLogic(_LogicBase):
         )
         self._build_accumulator(trainer, pl_module)
         compat.check_optimizers(
-            trainer, self.plan.largest_k(), self.plan.describe(), self.estimated_stepping_batches
+            trainer,
+            self.plan.largest_k(),
+            self.plan.describe(),
+            lambda trainer: self.estimated_stepping_batches(trainer, most=True),
         )
         if self._sync.core_reduces:
             self._sync.start()
@@ -438,7 +447,7 @@ class GradientAccumulationLogic(_LogicBase):
         )
         self._stepped_on_device = self._stepped_on_device or accumulator.device_step is not None
         if not current.finalized:  # items: the window's, over ranks (read if the policy counts them)
-            self.plan.window_closed(lambda: accumulator.last_window_items)
+            self.plan.window_closed(accumulator)
         current.finalized = True
         self._sync.after_step()
         if steps_itself:
@@ -467,32 +476,18 @@ class GradientAccumulationLogic(_LogicBase):
             return
         self._resume_clipping()
         if self.log_stats and internals.logs_this_step(trainer):
-            logged = self._log_statistics(trainer)
-            if self._stepped_on_device and logged:
-                self._warn_of_device_skips(trainer, int(logged["grad_accum/skipped_steps"]))
-
-    def _log_statistics(self, trainer: pl.Trainer) -> dict[str, float]:
-        """This step's statistics to the loggers, and into ``callback_metrics`` (also without a logger).
-
-        ``ddp_spawn`` returns them to the launcher; ``ModelCheckpoint(monitor=...)`` reads them.
-        """
-        logged = self.metrics()
-        internals.log_step_metrics(trainer, logged)
-        return logged
-
-    def _warn_of_device_skips(self, trainer: pl.Trainer, skipped: int) -> None:
-        """Warn of steps a fused optimizer skipped on the device, counted at this read of the statistics."""
-        self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)
+            # to the loggers and `callback_metrics` (`ddp_spawn` returns these, `ModelCheckpoint` reads them)
+            logged = self.metrics()
+            internals.log_step_metrics(trainer, logged)
+            if self._stepped_on_device and logged:  # skipped on the device: counted at this read
+                skipped = int(logged["grad_accum/skipped_steps"])
+                self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)
 
     def metrics(self) -> dict[str, float]:
-        """The logged scalars under ``grad_accum/``: ``LOGGED_STATISTICS``, ``window_loss``, ``lr_factor``.
-
-        ``lr_factor`` only with ``lr_scaling``.
-        """
-        logged = step_metrics(self._accumulator, noise_scale=self.settings.noise_scale)
-        if self.plan.lr_scaling != "none" and logged:
-            logged["grad_accum/lr_factor"] = self.plan.lr_factor
-        return logged
+        """The scalars logged under ``grad_accum/`` (:func:`~lightning_gradacc.reporting.step_metrics`)."""
+        return step_metrics(
+            self._accumulator, noise_scale=self.settings.noise_scale, plan=self.plan.metrics()
+        )
 
     def _resume_clipping(self) -> None:
         paused, self._paused_clipping = self._paused_clipping, None
@@ -526,7 +521,8 @@ class GradientAccumulationLogic(_LogicBase):
         if self._accumulator is not None:
             self._accumulator.remove_hooks()
             if self._stepped_on_device:  # the last steps' skips, and invalid counts held on the device
-                self._warn_of_device_skips(trainer, self._accumulator.stats.skipped_steps)
+                skipped = self._accumulator.stats.skipped_steps
+                self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)
         self.plan.end_fit(trainer)
 
     # ------------------------------------------------------------------------------------- checkpoint

@@ -230,7 +230,8 @@ def check_optimizers(
         trainer: The Trainer, its optimizers and schedulers configured.
         largest_k: The largest K of the fit.
         plan: How K is chosen, for the messages.
-        stepping_batches: The exact number of optimizer steps of the fit (``trainer -> steps``).
+        stepping_batches: The number of optimizer steps of the fit (``trainer -> steps``): the most it can
+            take where K is chosen while training.
     """
     if (largest_k or 1) > 1 and any(
         isinstance(optimizer, torch.optim.LBFGS) for optimizer in trainer.optimizers
@@ -250,10 +251,11 @@ def check_optimizers(
         if needed != float("inf") and needed // config.frequency > scheduler.total_steps:
             raise RuntimeError(
                 f"`OneCycleLR(total_steps={scheduler.total_steps})` would fail at step"
-                f" {scheduler.total_steps + 1}: this fit takes {int(needed)} optimizer steps with"
+                f" {scheduler.total_steps + 1}: this fit takes up to {int(needed)} optimizer steps with"
                 f" {plan}, and `trainer.estimated_stepping_batches` does not follow an"
                 " epoch schedule. Build it with `total_steps=estimated_stepping_batches(self.trainer)`"
-                " (`from lightning_gradacc import estimated_stepping_batches`)."
+                " (`from lightning_gradacc import estimated_stepping_batches`; with"
+                " `accumulation_steps='auto'`: `most=True`, or a schedule over `items_consumed`)."
             )
 
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from .core.settings import ScheduleUnit, check_choice, check_positive_int, check_schedule
 
@@ -51,6 +53,31 @@ def linear_ramp(
     return {0: first_k, **ramp}
 
 
+@dataclass(frozen=True)
+class WindowFacts:
+    """What the window plan tells an adaptive policy when a window closes: host numbers, equal on all ranks.
+
+    Attributes:
+        steps: Windows closed so far, this one included.
+        items_consumed: Items of the windows closed so far, over all ranks.
+        k: The window's K.
+        micro_batches: The micro-batches it held on each rank (fewer than K at an epoch's end).
+        world_size: The data-parallel ranks.
+        items: Its items over all ranks (0: no item counts known).
+        noise_scale: The gradient noise scale after this window (``nan`` before the first estimate).
+        ridden: What the policy's :meth:`KPolicy.batch_started` asked to sum over the ranks, summed.
+    """
+
+    steps: int
+    items_consumed: float
+    k: int
+    micro_batches: int
+    world_size: int
+    items: float
+    noise_scale: float
+    ridden: tuple[float, ...] = ()
+
+
 def _value_at(schedule: dict[int, int], count: float) -> int:
     """The schedule's K at ``count`` (1 before its first key)."""
     k = 1
@@ -70,14 +97,17 @@ class KPolicy:
         counts_items: Whether K depends on the items consumed (the plan counts them: a host read per step).
         configured: Whether K comes from the policy (``False``: adopted from the Trainer).
         constant: Whether every window of the fit has the same K (Lightning's own step estimate holds).
+        adaptive: Whether K is chosen from what training measures (its steps are not known in advance; the
+            plan hands it :class:`WindowFacts` when each window closes).
     """
 
     per_window = False
     counts_items = False
     configured = True
     constant = False
+    adaptive = False
 
-    def for_fit(self, trainer_k: int) -> KPolicy:
+    def for_fit(self, trainer_k: int, world_size: int = 1) -> KPolicy:
         """The policy of one fit: a copy (``trainer_k``: the Trainer's ``accumulate_grad_batches``)."""
         return copy.deepcopy(self)
 
@@ -104,8 +134,19 @@ class KPolicy:
         """Where training stands in the policy, for the summary (``None``: nothing to say)."""
         return None
 
-    def window_closed(self, statistics: dict[str, float]) -> None:
-        """A window was finalized; ``statistics`` are its values, if the policy asked for them."""
+    def batch_started(self) -> list[float] | None:
+        """A batch starts: numbers to sum over the ranks with the window's totals (``None``: nothing)."""
+        return None
+
+    def epoch_started(self) -> None:
+        """An epoch starts (time between epochs is not a batch's)."""
+
+    def window_closed(self, facts: WindowFacts) -> None:
+        """A window was finalized (an adaptive policy is handed what it measured)."""
+
+    def metrics(self) -> dict[str, float]:
+        """What the policy logs at each step, by name under ``grad_accum/``."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """What the policy learned during training (saved with the plan's position)."""
@@ -129,7 +170,7 @@ class FixedK(KPolicy):
         self.k = None if k is None else check_positive_int("accumulation_steps", k)
         self.configured = k is not None
 
-    def for_fit(self, trainer_k: int) -> KPolicy:
+    def for_fit(self, trainer_k: int, world_size: int = 1) -> KPolicy:
         """A copy that adopts ``trainer_k`` when nothing was configured."""
         if self.configured:
             return FixedK(self.k)
@@ -254,7 +295,7 @@ class TargetBatchSize(KPolicy):
         self.per_window = self.schedule is not None
         self.counts_items = self.schedule is not None and unit == "items"
 
-    def for_fit(self, trainer_k: int) -> KPolicy:
+    def for_fit(self, trainer_k: int, world_size: int = 1) -> KPolicy:
         """An unresolved copy: resolved again for every fit (the micro-batch size may differ)."""
         fresh = copy.copy(self)
         fresh.resolved = None
@@ -296,16 +337,329 @@ class TargetBatchSize(KPolicy):
         return self.resolved.progress(steps, items) if self.resolved is not None else None
 
 
+AutoRule = Literal["budget", "goodput"]
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    """How ``accumulation_steps="auto"`` chooses K from the measured gradient noise scale B_noise.
+
+    McCandlish et al. (2018) model training to a given loss as taking S = S_min (1 + B_noise / B) steps and
+    E = E_min (1 + B / B_noise) examples at a batch of B items. Under pure accumulation on fixed hardware a
+    larger K does not make a micro-batch faster: it trades optimizer steps for examples. The batch is
+    B = K b W (b: items per micro-batch per rank, tokens with a token counter; W: ranks).
+
+    - ``"budget"``: the largest K whose batch stays within a fraction ``budget`` of B_noise,
+      K = floor(budget B_noise / (b W)): at most about ``budget`` more examples than the fewest the loss
+      needs (E / E_min = 1 + B / B_noise), in 1 + 1 / ``budget`` times the fewest steps.
+    - ``"goodput"``: the K that reaches the loss soonest. Time is proportional to
+      (K t_micro + t_step)(1 + B_noise / (K b W)), smallest at K* = sqrt(t_step B_noise / (t_micro b W)),
+      with t_micro the time of an accumulating micro-batch and t_step what the window's last one costs on
+      top (the optimizer step, the deferred all-reduce or reduce-scatter), both measured by the callback
+      on every rank and averaged over the ranks. It pays where a step is expensive (many ranks, slow
+      links); on one device a step is cheap and K* stays small.
+
+    Before the first estimate (and whenever the estimate is not positive) K stays at ``start_k``. A new
+    target is taken once ``patience`` consecutive windows asked for it (hysteresis; each decision uses the
+    noise scale's exponential average, not one window's estimate); K does not fall unless ``decrease``.
+
+    Attributes:
+        rule: ``"budget"`` or ``"goodput"``.
+        budget: The fraction of B_noise the batch may reach (``"budget"``): 1.0 trains at the noise scale,
+            the critical batch size's estimate, at most twice the fewest examples and twice the fewest steps.
+        min_k: The smallest K.
+        max_k: The largest K (memory and time set it: K micro-batches are not held at once, but each step
+            waits for them).
+        start_k: K until the rule has an estimate; ``None``: 2 on one rank (the estimate needs two
+            micro-batches per window over the ranks) and for ``"goodput"`` (which times an accumulating
+            micro-batch), else 1; at least ``min_k``.
+        powers_of_two: K a power of two (rounded down for ``"budget"``, to the nearest in log scale for
+            ``"goodput"``).
+        patience: Consecutive windows a new target must hold before K follows it.
+        decrease: Whether K may also fall (it only grows otherwise, as the critical batch does in training).
+        clock: Seconds, monotonic, for ``"goodput"``'s timings; ``None``: ``time.perf_counter``. Tests and
+            simulations pass their own to make the decisions reproducible.
+
+    On one rank a window of one micro-batch gives no estimate, so K stays at 2 or more there.
+
+    Example:
+        >>> AutoSettings(rule="goodput", max_k=32).max_k
+        32
+    """
+
+    rule: AutoRule = "budget"
+    budget: float = 1.0
+    min_k: int = 1
+    max_k: int = 64
+    start_k: int | None = None
+    powers_of_two: bool = True
+    patience: int = 3
+    decrease: bool = False
+    clock: Callable[[], float] | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("auto.rule", self.rule, AutoRule)
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or not self.budget > 0:
+            raise ValueError(f"Expected argument `auto.budget` to be a number > 0, but got {self.budget!r}.")
+        object.__setattr__(self, "budget", float(self.budget))
+        for name in ("min_k", "max_k", "patience"):
+            check_positive_int(f"auto.{name}", getattr(self, name))
+        if self.start_k is not None:
+            check_positive_int("auto.start_k", self.start_k)
+        if self.max_k < self.min_k or not self.min_k <= (self.start_k or self.min_k) <= self.max_k:
+            raise ValueError(
+                f"Expected `auto.min_k` <= `auto.start_k` <= `auto.max_k`, but got {self.min_k},"
+                f" {self.start_k}, {self.max_k}."
+            )
+        for name in ("powers_of_two", "decrease"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"Expected argument `auto.{name}` to be True or False, but got {getattr(self, name)!r}."
+                )
+        if self.clock is not None and not callable(self.clock):
+            raise TypeError(f"Expected argument `auto.clock` to be callable, but got {self.clock!r}.")
+
+
+class AutoK(KPolicy):
+    """K chosen window by window from the measured gradient noise scale (``accumulation_steps="auto"``).
+
+    Each window's K is decided when it opens, from what the windows before it measured (:class:`WindowFacts`,
+    the same on every rank: the noise scale comes from totals summed over the ranks, and the timings of
+    ``"goodput"`` ride in the same all-reduce), through the window plan's exact transitions: every window is
+    the step of one big batch of its own micro-batches. The decisions are a function of the logged and
+    saved state: a resume goes on exactly, next decisions included, and an injected ``clock`` makes
+    ``"goodput"`` reproducible in tests.
+
+    Args:
+        settings: The rule, its bounds and its clock.
+
+    Example:
+        >>> policy = AutoK(AutoSettings(budget=1.0, patience=1)).for_fit(1, world_size=1)
+        >>> policy.k_at(0, 0, 0.0)  # two micro-batches per window until there is an estimate
+        2
+        >>> facts = WindowFacts(1, 64.0, 2, 2, 1, 64.0, noise_scale=300.0)  # b = 32 items per micro-batch
+        >>> policy.window_closed(facts)
+        >>> policy.k_at(0, 1, 64.0), policy.metrics()["auto_target_k"]  # floor(300 / 32) = 9 -> 8
+        (8, 8.0)
+    """
+
+    per_window = True
+    counts_items = True  # the trajectory is shown in items too
+    adaptive = True
+
+    def __init__(self, settings: AutoSettings | None = None) -> None:
+        self.settings = settings if settings is not None else AutoSettings()
+        self.clock: Callable[[], float] = self.settings.clock or time.perf_counter
+        self.min_k = self.settings.min_k  # on one rank at least 2 (see `for_fit`)
+        self.k = self.settings.start_k or self.min_k
+        self.pending: int | None = None  # a target different from K, and the windows that asked for it
+        self.pending_count = 0
+        self.target = math.nan  # the rule's last target, and the noise scale and items it came from
+        self.estimate = math.nan
+        self.batch_items = math.nan
+        self.trajectory: list[tuple[int, float, int]] = [(0, 0.0, self.k)]  # (step, items, K) at each change
+        self.t_micro = math.nan  # seconds: an accumulating micro-batch, and a step's extra (goodput)
+        self.t_step = math.nan
+        self._timed = [0.0] * 4  # since the last boundary: accumulating s, count, stepping s, count
+        self._last_start: float | None = None  # the clock at the last batch start
+        self._last_closed = False  # whether a window closed since then (the batch was a stepping one)
+
+    def for_fit(self, trainer_k: int, world_size: int = 1) -> KPolicy:
+        """A fresh controller for a fit (its state carried over by the plan): K starts at ``start_k``.
+
+        Raises:
+            ValueError: On one rank, bounds that leave K at 1 (no window would give an estimate).
+        """
+        settings = self.settings
+        fresh = AutoK(settings)
+        if world_size == 1:
+            if settings.max_k < 2 or settings.start_k == 1:
+                raise ValueError(
+                    f"`accumulation_steps='auto'` on one rank with `auto.start_k={settings.start_k}` and"
+                    f" `auto.max_k={settings.max_k}`: a window of one micro-batch gives no noise-scale"
+                    " estimate, so K would never change. Let K be 2 or more (leave `start_k` unset)."
+                )
+            fresh.min_k = max(settings.min_k, 2)
+        if settings.rule == "goodput" and (settings.start_k == 1 or settings.max_k < 2):
+            raise ValueError(
+                f"`auto.rule='goodput'` with `auto.start_k={settings.start_k}` and `auto.max_k="
+                f"{settings.max_k}`: at K=1 every micro-batch steps, so the time of an accumulating one is"
+                " never measured and K would never change. Let K start at 2 or more (leave `start_k` unset)."
+            )
+        timed = world_size == 1 or settings.rule == "goodput"  # needs two micro-batches in a window
+        start = settings.start_k or max(fresh.min_k, 2 if timed else 1)
+        fresh.k = start
+        fresh.trajectory = [(0, 0.0, start)]
+        return fresh
+
+    def k_at(self, epoch: int, steps: int, items: float) -> int | None:
+        """The K decided so far."""
+        return self.k
+
+    def first_k(self) -> int | None:
+        """The K training starts with (the learning-rate factor is relative to it)."""
+        return self.trajectory[0][2]
+
+    def largest_k(self) -> int | None:
+        """``max_k``."""
+        return self.settings.max_k
+
+    def smallest_k(self) -> int:
+        """The smallest K a window can get in this fit (``start_k`` unless K may fall)."""
+        return self.min_k if self.settings.decrease else self.trajectory[0][2]
+
+    def describe(self) -> str:
+        """The rule and its bounds."""
+        settings = self.settings
+        extra = f", budget={settings.budget:g}" if settings.rule == "budget" else ""
+        bounds = f"K in [{settings.min_k}, {settings.max_k}]"
+        return f"accumulation_steps='auto' (rule={settings.rule!r}{extra}, {bounds})"
+
+    # -------------------------------------------------------------------------------- measuring time
+
+    def batch_started(self) -> list[float] | None:
+        """Time the batch that just ended; with ``"goodput"`` the sums since the last boundary ride along."""
+        if self.settings.rule != "goodput":
+            return None
+        now = self.clock()
+        if self._last_start is not None:
+            at = 2 if self._last_closed else 0  # the batch before was a window's last one
+            self._timed[at] += now - self._last_start
+            self._timed[at + 1] += 1.0
+        self._last_start, self._last_closed = now, False
+        return list(self._timed)
+
+    def epoch_started(self) -> None:
+        """The time between epochs (validation, the loader's start) is no batch's."""
+        self._last_start = None
+
+    # ------------------------------------------------------------------------------------- deciding
+
+    def window_closed(self, facts: WindowFacts) -> None:
+        """Take the window's measurements and decide the K of the windows that open next."""
+        self._last_closed = True
+        if self.settings.rule == "goodput":
+            self._take_times(facts.ridden)
+        per_micro_batch = facts.items / (facts.micro_batches * facts.world_size) if facts.items > 0 else 1.0
+        self.batch_items = per_micro_batch
+        self.estimate = facts.noise_scale
+        target = self._target(facts.noise_scale, per_micro_batch * facts.world_size)
+        self.target = math.nan if target is None else float(target)
+        if target is None or target == self.k or (target < self.k and not self.settings.decrease):
+            self.pending, self.pending_count = None, 0
+            return
+        same_way = self.pending is not None and (self.pending > self.k) == (target > self.k)
+        self.pending, self.pending_count = target, self.pending_count + 1 if same_way else 1
+        if self.pending_count >= self.settings.patience:
+            self.k, self.pending, self.pending_count = target, None, 0
+            self.trajectory.append((facts.steps, facts.items_consumed, target))
+
+    def _target(self, noise_scale: float, items_per_window_k: float) -> int | None:
+        """The rule's K for a noise scale (``None`` without a positive estimate, or timings for goodput)."""
+        settings = self.settings
+        if not (math.isfinite(noise_scale) and noise_scale > 0):
+            return None
+        if settings.rule == "budget":
+            raw = settings.budget * noise_scale / items_per_window_k
+        else:
+            if not (self.t_micro > 0 and self.t_step >= 0):
+                return None
+            raw = math.sqrt(self.t_step * noise_scale / (self.t_micro * items_per_window_k))
+        bounded = min(max(raw, self.min_k), settings.max_k)
+        powers = [1 << e for e in range(settings.max_k.bit_length()) if self.min_k <= 1 << e]
+        if settings.powers_of_two and powers:
+            if settings.rule == "budget":  # the largest within the budget (the smallest power if none is)
+                return max([p for p in powers if p <= bounded] or powers[:1])
+            return min(powers, key=lambda p: abs(math.log2(p) - math.log2(bounded)))
+        return int(math.floor(bounded) if settings.rule == "budget" else round(bounded))
+
+    def _take_times(self, ridden: Sequence[float]) -> None:
+        """Fold the batch times summed over the ranks into running means (t_micro, and a step's extra)."""
+        self._timed = [0.0] * 4
+        if len(ridden) != 4:
+            return
+        micro_seconds, micro_count, step_seconds, step_count = ridden
+        if micro_count > 0:
+            micro = micro_seconds / micro_count
+            self.t_micro = micro if math.isnan(self.t_micro) else 0.9 * self.t_micro + 0.1 * micro
+        if step_count > 0 and self.t_micro > 0:
+            extra = max(step_seconds / step_count - self.t_micro, 0.0)
+            self.t_step = extra if math.isnan(self.t_step) else 0.9 * self.t_step + 0.1 * extra
+
+    # ---------------------------------------------------------------------------------- reporting
+
+    def metrics(self) -> dict[str, float]:
+        """The rule's last target, the noise scale and items per micro-batch it used (and, goodput, times)."""
+        logged = {
+            "auto_target_k": self.target,
+            "auto_noise_scale": self.estimate,
+            "auto_items_per_micro_batch": self.batch_items,
+        }
+        if self.settings.rule == "goodput":
+            logged.update(auto_t_micro=self.t_micro, auto_t_step=self.t_step)
+        return logged
+
+    def progress(self, steps: int, items: float) -> str | None:
+        """K's trajectory: where each K was reached (step, items)."""
+        stages = [f"K={k} at step {step:,} ({items_at:,.0f} items)" for step, items_at, k in self.trajectory]
+        return f"auto ({self.settings.rule}): " + " -> ".join(stages)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The controller's state as plain numbers."""
+        return {
+            "k": self.k,
+            "pending": self.pending,
+            "pending_count": self.pending_count,
+            "target": self.target,
+            "estimate": self.estimate,
+            "batch_items": self.batch_items,
+            "trajectory": [list(stage) for stage in self.trajectory],
+            "t_micro": self.t_micro,
+            "t_step": self.t_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue deciding from a saved state (the timing of the batch in flight is not carried over)."""
+        if not state:
+            return
+        self.k = int(state["k"])
+        self.pending = None if state["pending"] is None else int(state["pending"])
+        self.pending_count = int(state["pending_count"])
+        self.target, self.estimate = float(state["target"]), float(state["estimate"])
+        self.batch_items = float(state["batch_items"])
+        self.trajectory = [(int(step), float(items), int(k)) for step, items, k in state["trajectory"]]
+        self.t_micro, self.t_step = float(state["t_micro"]), float(state["t_step"])
+        self._timed, self._last_start, self._last_closed = [0.0] * 4, None, False
+
+
 def make_policy(
-    accumulation_steps: Any = None, target_batch_size: Any = None, schedule_unit: Any = "epochs"
+    accumulation_steps: Any = None,
+    target_batch_size: Any = None,
+    schedule_unit: Any = "epochs",
+    auto: AutoSettings | dict[str, Any] | None = None,
 ) -> KPolicy:
     """The policy the callback's arguments describe; every combination checked, before any training.
 
     Example:
         >>> make_policy({0: 1, "10k": 4}, schedule_unit="items").describe()
         "accumulation_steps={0: 1, 10000: 4} (schedule_unit='items')"
+        >>> make_policy("auto", auto={"max_k": 16}).describe()
+        "accumulation_steps='auto' (rule='budget', budget=1, K in [1, 16])"
     """
     unit = check_choice("schedule_unit", schedule_unit, ScheduleUnit)
+    if auto is not None and accumulation_steps != "auto":
+        raise ValueError(
+            f"Argument `auto` ({auto!r}) sets how `accumulation_steps='auto'` chooses K, but"
+            f" `accumulation_steps` is {accumulation_steps!r}: pass `accumulation_steps='auto'`, or drop"
+            " `auto`."
+        )
+    if accumulation_steps == "auto":
+        if target_batch_size is not None or unit != "epochs":
+            raise ValueError(
+                "`accumulation_steps='auto'` chooses K from the measured noise scale: leave"
+                f" `target_batch_size` ({target_batch_size!r}) and `schedule_unit` ({unit!r}) unset."
+            )
+        return AutoK(AutoSettings(**auto) if isinstance(auto, dict) else auto)
     if accumulation_steps is not None and target_batch_size is not None:
         raise ValueError(
             f"Expected only one of `accumulation_steps` ({accumulation_steps!r}) and `target_batch_size`"
@@ -329,6 +683,11 @@ def make_policy(
     if isinstance(accumulation_steps, dict):
         return (
             EpochSchedule(accumulation_steps) if unit == "epochs" else KeyedSchedule(accumulation_steps, unit)
+        )
+    if isinstance(accumulation_steps, str):
+        raise ValueError(
+            f"Expected argument `accumulation_steps` to be a positive int, a schedule dict, 'auto' or None,"
+            f" but got {accumulation_steps!r}."
         )
     return FixedK(accumulation_steps)
 

@@ -17,12 +17,15 @@ LOGGED_STATISTICS = tuple(
 )
 
 
-def step_metrics(accumulator: GradAccumulator | None, *, noise_scale: bool) -> dict[str, float]:
-    """The logged scalars: ``LOGGED_STATISTICS`` (and ``NOISE_STATISTICS``) and ``window_loss``.
+def step_metrics(
+    accumulator: GradAccumulator | None, *, noise_scale: bool, plan: dict[str, float] | None = None
+) -> dict[str, float]:
+    """The logged scalars: ``LOGGED_STATISTICS`` (and ``NOISE_STATISTICS``), ``window_loss`` and the plan's.
 
     Args:
         accumulator: The accumulator of the fit (``None``: nothing to log yet).
         noise_scale: Whether the noise scale is estimated.
+        plan: The window plan's scalars by name (``lr_factor``; ``"auto"``'s target and its estimate).
 
     Example:
         >>> import torch
@@ -36,6 +39,7 @@ def step_metrics(accumulator: GradAccumulator | None, *, noise_scale: bool) -> d
     names = LOGGED_STATISTICS + (NOISE_STATISTICS if noise_scale else ())
     logged = {f"grad_accum/{name}": float(stats[name]) for name in names}
     logged["grad_accum/window_loss"] = accumulator.window_loss
+    logged.update({f"grad_accum/{name}": value for name, value in (plan or {}).items()})
     return logged
 
 

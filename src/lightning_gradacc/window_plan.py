@@ -39,7 +39,7 @@ import torch
 
 from . import lightning_internals as internals
 from .core.settings import check_choice
-from .k_policies import KPolicy, TargetBatchSize, stepping_batches
+from .k_policies import FixedK, KPolicy, TargetBatchSize, WindowFacts, stepping_batches
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -129,6 +129,7 @@ class WindowPlan:
         self._written: int | None = None  # the value last written into it
         self._user_k: int | None = None  # its `accumulate_grad_batches` as the user set it
         self._built_train_data = False  # the train dataloader was built in `setup` (a target batch size)
+        self._world_size = 1  # the fit's ranks
         self._accumulator: GradAccumulator | None = None  # the fit's, once attached
         self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks (lr_scaling)
         self._saved_lrs: list[tuple[dict[str, Any], Any]] = []
@@ -163,6 +164,11 @@ class WindowPlan:
         """Where training stands in a policy that changes K by steps or items (the summary's row)."""
         return self._policy.progress(self.position.steps, self.position.items)
 
+    def metrics(self) -> dict[str, float]:
+        """What the plan logs at each step: ``lr_factor`` (with ``lr_scaling``) and the policy's scalars."""
+        factor = {"lr_factor": self.lr_factor} if self.lr_scaling != "none" else {}
+        return {**factor, **self._policy.metrics()}
+
     @property
     def items_consumed(self) -> float | None:
         """Items of the windows closed so far, over all ranks.
@@ -171,7 +177,9 @@ class WindowPlan:
         """
         return self.position.items if self.run is not None and self.run.counts_items else None
 
-    def stepping_batches(self, trainer: pl.Trainer, *, counts_samples: bool = True) -> int | float:
+    def stepping_batches(
+        self, trainer: pl.Trainer, *, counts_samples: bool = True, most: bool = False
+    ) -> int | float:
         """The exact number of optimizer steps of the fit under the policy.
 
         Args:
@@ -179,13 +187,28 @@ class WindowPlan:
             counts_samples: Whether an item is a sample (no ``item_count_fn``): a policy keyed by items is
                 then simulated from the train dataloader's batch sizes; with tokens it cannot be known
                 before the data is read, and ``ValueError`` says so.
+            most: For a policy that chooses K while training (``"auto"``), the most steps the fit can take
+                (every window at the smallest K it may choose) instead of ``ValueError``.
+
+        Raises:
+            ValueError: The count cannot be known before training (K chosen while training, or keyed by
+                tokens).
         """
+        policy = self._policy
+        if policy.adaptive:
+            if not most:
+                raise ValueError(
+                    f"{policy.describe()} chooses K while training: its optimizer steps are not known before."
+                    " Build the learning-rate schedule on something that is (a warmup and decay over"
+                    " `callback.items_consumed`, or a scheduler without a step count), or size it for the"
+                    " most steps this fit can take: `estimated_stepping_batches(trainer, most=True)`."
+                )
+            policy = FixedK(getattr(policy, "smallest_k")())  # noqa: B009 (the adaptive policy's bound)
         with internals.reading_train_data_early(trainer):  # loads the train dataloader if needed
             lightning_estimate = trainer.estimated_stepping_batches
-        policy = self._policy
         batches = trainer.num_training_batches
         if (
-            policy.constant
+            (policy.constant and policy is self._policy)  # Lightning's estimate holds for one K
             or policy.first_k() is None  # a target not resolved yet: Lightning's estimate at K=1 (warned)
             or trainer.max_epochs in (None, -1)
             or batches == float("inf")
@@ -260,7 +283,10 @@ class WindowPlan:
                 " accumulation factor: remove `accumulate_grad_batches` from the Trainer or set the same"
                 " value."
             )
-        self.run = self.policy.for_fit(self._user_k or 1)
+        previous, self._world_size = self.run, trainer.world_size
+        self.run = self.policy.for_fit(self._user_k or 1, trainer.world_size)
+        if previous is not None:  # what an adaptive policy learned goes on (a checkpoint replaces it)
+            self.run.load_state_dict(previous.state_dict())
         self._accumulator = None
         self._built_train_data = False
         self.position.batches_in_window = 0
@@ -293,6 +319,7 @@ class WindowPlan:
     def epoch_start(self, trainer: pl.Trainer) -> None:
         """An epoch starts: a window still open there is abandoned; a K per epoch is written."""
         self.position.batches_in_window = 0
+        self._policy.epoch_started()
         if not self._policy.per_window:
             k = self._k_now(trainer)
             assert k is not None
@@ -310,6 +337,9 @@ class WindowPlan:
         if opens and self._policy.per_window:
             self.open_window(internals.batches_ready(trainer), trainer)
         position.batches_in_window += 1
+        riders = self._policy.batch_started()  # e.g. the batch times of "auto"'s goodput rule
+        if riders is not None and self._accumulator is not None:
+            self._accumulator.ride(riders)
         return opens
 
     def open_window(self, ready: int, trainer: pl.Trainer | None = None) -> int:
@@ -324,16 +354,30 @@ class WindowPlan:
             self.position.window_k, self.position.lightning_k = k, lightning_k
         return k
 
-    def window_closed(self, items: Callable[[], float]) -> None:
-        """The open window was finalized (stepped or skipped); ``items()``: its items over all ranks.
+    def window_closed(self, accumulator: GradAccumulator) -> None:
+        """The open window was finalized (stepped or skipped) by ``accumulator``.
 
-        ``items`` is called only when the policy counts items (a host read).
+        Its items over all ranks are read (a host read) only where the policy counts them; an adaptive
+        policy is handed what the window measured (:class:`~lightning_gradacc.k_policies.WindowFacts`).
         """
-        position = self.position
+        position, policy = self.position, self._policy
         position.steps += 1
-        if self._policy.counts_items:
-            position.items += items()
+        if policy.counts_items:
+            position.items += accumulator.statistic("items_last_step")
         position.batches_in_window = 0
+        if policy.adaptive:
+            policy.window_closed(
+                WindowFacts(
+                    steps=position.steps,
+                    items_consumed=position.items,
+                    k=position.window_k,
+                    micro_batches=int(accumulator.statistic("micro_batches_last_step")),
+                    world_size=self._world_size,
+                    items=accumulator.statistic("items_last_step"),
+                    noise_scale=accumulator.statistic("noise_scale"),
+                    ridden=tuple(accumulator.ridden),
+                )
+            )
 
     def window_abandoned(self) -> None:
         """The open window was discarded (an epoch or a fit ended inside it): the next batch opens one."""

@@ -7,6 +7,7 @@ Oracles: plain PyTorch, one optimizer step per window on all of the window's dat
 
 from __future__ import annotations
 
+import math
 import signal
 import warnings
 from collections.abc import Iterator
@@ -104,12 +105,15 @@ def test_a_resume_inside_a_window_of_a_keyed_schedule_runs_it_with_its_own_k(
 
 @pytest.mark.slow
 def test_a_resume_inside_a_window_of_a_keyed_schedule_on_two_ddp_ranks(tmp_path: Path) -> None:
-    """As on one device, with the window summed over the ranks in the checkpoint and restored on rank 0."""
+    """As on one device, with the window summed over the ranks in the checkpoint and restored on rank 0
+    (with the noise scale's totals of the window, summed likewise: its estimate goes on)."""
     data = h.regression_data(80)  # 10 micro-batches of 4 per rank: micro-batch i is rows [8i, 8i + 8)
     schedule = {0: 2, 2: 3}
 
     def callback() -> GradientAccumulationCallback:
-        return GradientAccumulationCallback(schedule, schedule_unit="steps", lr_scaling="sqrt")
+        return GradientAccumulationCallback(
+            schedule, schedule_unit="steps", lr_scaling="sqrt", noise_scale=True
+        )
 
     path = tmp_path / "mid.ckpt"
     with pytest.raises(Exception, match="Preempted"):
@@ -130,6 +134,7 @@ def test_a_resume_inside_a_window_of_a_keyed_schedule_on_two_ddp_ranks(tmp_path:
     )
     assert h.max_abs_diff(resumed.net, expected) < 1e-6
     assert float(trainer.callback_metrics["grad_accum/windows"]) == len(keyed)
+    assert math.isfinite(float(trainer.callback_metrics["grad_accum/noise_scale"]))
 
 
 # ----------------------------------------------------------- a second fit after a fit interrupted inside one

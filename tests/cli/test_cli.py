@@ -16,13 +16,14 @@ from lightning_gradacc import GradientAccumulationCallback
 from lightning_gradacc.cli import build_cli
 from lightning_gradacc.core.settings import parse_threshold
 from lightning_gradacc.counters import TokenCounter, count_predicted_tokens, count_tokens
+from lightning_gradacc.k_policies import AutoK, AutoSettings
 from tests.helpers import CONFIGS, QUICK, ROOT, the_callback
 
 SINGLE_PROCESS = [path for path in CONFIGS if path.stem != "ddp_cpu"]
 
 
 def test_every_config_exists() -> None:
-    expected = {"quickstart", "token_lm", "schedule", "target_batch", "ddp_cpu", "warmup_tokens"}
+    expected = {"quickstart", "token_lm", "schedule", "target_batch", "ddp_cpu", "warmup_tokens", "auto"}
     assert {p.stem for p in CONFIGS} == expected
 
 
@@ -36,7 +37,10 @@ def test_config_parses_and_instantiates(config: Path, tmp_path: Path) -> None:
         if isinstance(expected, dict):  # thresholds such as "2k" are read as numbers
             expected = {parse_threshold("accumulation_steps", key): k for key, k in expected.items()}
         policy = callback.plan.policy
-        assert (policy.schedule if isinstance(expected, dict) else policy.k) == expected
+        if expected == "auto":  # the rule's settings, from the YAML mapping
+            assert isinstance(policy, AutoK) and policy.settings == AutoSettings(**raw["auto"])
+        else:
+            assert (policy.schedule if isinstance(expected, dict) else policy.k) == expected
     else:
         assert callback.plan.policy.size == raw["target_batch_size"]
     assert callback.settings.max_grad_norm == raw.get("max_grad_norm")

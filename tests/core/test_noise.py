@@ -200,9 +200,10 @@ def test_a_window_that_cannot_be_measured_gives_no_estimate(why: str, items: Any
     assert all(math.isnan(v) for v in found[2:4]), why
 
 
-def test_a_restored_window_gives_no_estimate_and_the_next_one_does() -> None:
-    """Micro-batches restored from a checkpoint have no recorded norms: with them in the window's gradient
-    but not in its counts the estimate would be biased, so the window is not measured."""
+def test_a_window_saved_without_its_norms_gives_no_estimate_and_the_next_one_does() -> None:
+    """Micro-batches restored from an older checkpoint (its window saved without the noise scale's totals)
+    have no recorded norms: with them in the window's gradient but not in its counts the estimate would be
+    biased, so the window is not measured."""
     net = noise_net()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
     accumulator = GradAccumulator(net.named_parameters(), 3, noise_scale=True)
@@ -210,6 +211,8 @@ def test_a_restored_window_gives_no_estimate_and_the_next_one_does() -> None:
     batches = [(x[8 * i : 8 * (i + 1)], y[8 * i : 8 * (i + 1)]) for i in range(6)]
     accumulator.backward(noise_loss(net, *batches[0]), items=8)
     saved = accumulator.window_state_dict()
+    assert saved is not None
+    del saved["noise"]
     accumulator.remove_hooks()
     resumed = GradAccumulator(net.named_parameters(), 3, noise_scale=True)
     resumed.load_window_state_dict(saved)
@@ -257,3 +260,38 @@ def test_a_set_changed_after_a_backward_leaves_that_window_unmeasured() -> None:
     accumulator.finalize()
     assert math.isnan(accumulator.stats.trace_sigma_estimate)
     accumulator.remove_hooks()
+
+
+@pytest.mark.parametrize("items", [8, torch.tensor(8.0)], ids=["host_count", "device_count"])
+def test_a_window_restored_from_its_saved_state_gives_the_uninterrupted_estimate(items: Any) -> None:
+    """Saved after the first of two micro-batches (the window's totals with it), loaded into a new
+    accumulator: the window's estimates and the averages are those of the run that was not interrupted
+    (they used to be lost: a restored window gave no estimate, and the averages drifted apart)."""
+    x, y = noise_data().tensors
+
+    def run(interrupt: bool) -> list[float]:
+        net = noise_net()
+        accumulator = GradAccumulator(net.named_parameters(), 2, noise_scale=True, scaling="weighted")
+        found = []
+        for window in range(2):
+            for index in range(2):
+                rows = slice(8 * (2 * window + index), 8 * (2 * window + index + 1))
+                accumulator.backward(noise_loss(net, x[rows], y[rows]), items=items)
+                if interrupt and (window, index) == (1, 0):
+                    saved, window_saved = accumulator.state_dict(), accumulator.window_state_dict()
+                    accumulator.remove_hooks()
+                    accumulator = GradAccumulator(
+                        net.named_parameters(), 2, noise_scale=True, scaling="weighted"
+                    )
+                    accumulator.load_state_dict(saved)
+                    assert window_saved is not None and "noise" in window_saved
+                    accumulator.load_window_state_dict(window_saved)
+            accumulator.step(torch.optim.SGD(net.parameters(), lr=0.0))
+            stats = accumulator.stats
+            found += [stats.grad_sq_norm_estimate, stats.trace_sigma_estimate, stats.noise_scale]
+        accumulator.remove_hooks()
+        return found
+
+    whole, resumed = run(False), run(True)
+    assert all(math.isfinite(value) for value in resumed)
+    assert resumed == pytest.approx(whole, rel=1e-12)

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradacc import GradientAccumulationCallback
+from lightning_gradacc.k_policies import AutoSettings
 from tests.helpers import exit_together, ordered_loader
 
 STRATEGY = sys.argv[2] if len(sys.argv) > 2 else "model_parallel"  # the same in the re-run second rank
@@ -57,6 +58,16 @@ NAN_BATCH = {
     "skip_last_micro_batch": 3,
     "fused_nan_clip": 1,
 }  # batch_idx made nan on rank 1
+
+# ModelParallelStrategy only (FSDP1 refuses the noise scale): K chosen by "auto" from the noise scale,
+# measured on FSDP2's unsharded gradients; K=1 first (2 ranks give an estimate), then the rule's
+FSDP2_SCENARIOS: dict[str, dict[str, Any]] = {
+    "auto": {
+        "accumulation_steps": "auto",
+        "auto": AutoSettings(patience=1, max_k=3, powers_of_two=False),
+        "max_grad_norm": 0.05,
+    },
+}
 
 # ModelParallelStrategy only: `fully_shard` on an HSDP mesh of 2 replicas of 1 shard each
 HSDP_SCENARIOS: dict[str, dict[str, Any]] = {
@@ -99,6 +110,8 @@ class ShardedModule(pl.LightningModule):
         self.weighted = weighted
         self.hsdp = hsdp
         self.seen: list[list[int]] = []
+        self.steps: list[int] = []  # the global step after each micro-batch: which ones a step took
+        self.estimates: list[tuple[float, float]] = []  # each step's |G|² and tr(Σ) (a read: tests only)
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
@@ -135,6 +148,14 @@ class ShardedModule(pl.LightningModule):
         if self.global_rank == 1 and batch_idx == self.nan_batch:
             loss = loss * float("nan")
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        stepped = self.trainer.global_step != (self.steps[-1] if self.steps else 0)
+        self.steps.append(self.trainer.global_step)
+        callback = next(c for c in self.trainer.callbacks if isinstance(c, GradientAccumulationCallback))
+        if stepped and callback.settings.noise_scale:
+            stats = callback.stats
+            self.estimates.append((stats.grad_sq_norm_estimate, stats.trace_sigma_estimate))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.fused:
@@ -260,7 +281,8 @@ def unsynced_save(out: Path) -> None:
 def main(out: Path) -> None:
     reduce_scatters = count_calls("reduce_scatter_single", "reduce_scatter_tensor")
     all_reduces = count_calls("all_reduce")
-    scenarios = {**SCENARIOS, **(HSDP_SCENARIOS if STRATEGY == "model_parallel" else {})}
+    fsdp2 = {**HSDP_SCENARIOS, **FSDP2_SCENARIOS} if STRATEGY == "model_parallel" else {}
+    scenarios = {**SCENARIOS, **fsdp2}
     for name, options in scenarios.items():
         reduce_scatters[0] = all_reduces[0] = 0
         options = dict(options)
@@ -276,10 +298,12 @@ def main(out: Path) -> None:
         full = full_parameters(module)
         stats = callback.stats
         torch.save(module.seen, out / f"{name}-seen-{trainer.global_rank}.pt")
+        torch.save(module.steps, out / f"{name}-steps-{trainer.global_rank}.pt")
         if trainer.global_rank == 0:
             counts = (stats.windows, stats.skipped_steps, stats.non_finite_windows, stats.clipped_steps)
             collectives = (reduce_scatters[0], all_reduces[0])
             torch.save((full, counts, trainer.global_step, collectives), out / f"{name}.pt")
+            torch.save(module.estimates, out / f"{name}-estimates.pt")
     refused: dict[str, dict[str, Any]] = {  # refused at train start, on both ranks
         "micro_batch_window_end": {
             "clip_mode": "micro_batch",
@@ -291,13 +315,13 @@ def main(out: Path) -> None:
     refused["buffers_window_end"] = {"accumulation_dtype": "float64", "sharded_reduction": "window_end"}
     if STRATEGY != "model_parallel":  # FSDP1 only
         refused["replicas_at_window_end"] = {"sharded_reduction": "replicas_at_window_end"}
+        refused["auto"] = {"accumulation_steps": "auto"}  # the noise scale of flat parameters
         refused["lightning_norm_clip"] = {"trainer": {"gradient_clip_val": 0.05}}
     for name, options in refused.items():
         trainer_options = options.pop("trainer", {})
         try:
-            sharded_trainer(GradientAccumulationCallback(K, **options), **trainer_options).fit(
-                ShardedModule(nan_batch=None, weighted=False)
-            )
+            callback = GradientAccumulationCallback(options.pop("accumulation_steps", K), **options)
+            sharded_trainer(callback, **trainer_options).fit(ShardedModule(nan_batch=None, weighted=False))
         except RuntimeError as error:
             (out / f"refused-{name}-{trainer.global_rank}.txt").write_text(str(error))
     if STRATEGY == "model_parallel":  # plain FSDP2: no replicate dimension, nothing to defer

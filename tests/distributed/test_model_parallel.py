@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gradacc import GradAccumulator
 from tests.distributed import model_parallel_run as run
 from tests.helpers import ROOT
 
@@ -228,6 +229,7 @@ def test_resume_from_a_checkpoint_inside_a_window_is_exact(trained: Path, state_
         ),
         ("replicas_at_window_end", "FSDP1 (`FSDPStrategy`) cannot defer the all-reduce across replicas"),
         ("lightning_norm_clip", "pass `GradientAccumulationCallback(max_grad_norm=0.05)`: it clips"),
+        ("auto", "`noise_scale=True` is not supported with FSDP1's flat parameters"),
     ],
 )
 def test_refused_at_train_start(trained: Path, name: str, expected: str) -> None:
@@ -238,3 +240,42 @@ def test_refused_at_train_start(trained: Path, name: str, expected: str) -> None
         pytest.skip("FSDP1 only")
     for rank in range(2):
         assert expected in (trained / f"refused-{name}-{rank}.txt").read_text()
+
+
+def test_an_auto_run_under_fsdp2_replays_as_fixed_windows(trained: Path) -> None:
+    """K chosen by "auto" from the noise scale measured on FSDP2's unsharded gradients: both ranks step the
+    same windows (K=1, then the rule's), each, clipped, one step on both ranks' samples as one batch."""
+    if not trained.name.startswith("model_parallel"):
+        pytest.skip("FSDP2 (ModelParallelStrategy) only")
+    full, counts, global_step, _ = torch.load(trained / "auto.pt")
+    steps = [torch.load(trained / f"auto-steps-{rank}.pt") for rank in range(2)]
+    per_rank = [torch.load(trained / f"auto-seen-{rank}.pt") for rank in range(2)]
+    assert steps[0] == steps[1]
+    bounds, start = [], 0
+    for index, step in enumerate(steps[0]):
+        if step != (steps[0][index - 1] if index else 0):  # micro-batch `index` ended a window
+            bounds.append((start, index + 1))
+            start = index + 1
+    assert start == len(steps[0])  # every window stepped
+    assert steps[0][0] == 1 and len({end - begin for begin, end in bounds}) >= 2, bounds
+    windows = [[i for seen in per_rank for b in range(*span) for i in seen[b]] for span in bounds]
+    expected = _reference(windows, run.FSDP2_SCENARIOS["auto"])
+    assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
+    assert counts[0] == global_step == len(windows)
+    # the estimates the rule read: those of one process holding both ranks' micro-batches in its window
+    _, x, y = run.data().tensors
+    model = run.net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    estimates = torch.load(trained / "auto-estimates.pt")
+    assert len(estimates) == len(windows)
+    for (begin, end), found in zip(bounds, estimates, strict=True):
+        micro_batches = [seen[b] for seen in per_rank for b in range(begin, end)]
+        accumulator = GradAccumulator(
+            model.named_parameters(), len(micro_batches), noise_scale=True, max_grad_norm=0.05
+        )
+        for rows in micro_batches:
+            accumulator.backward(nn.functional.mse_loss(model(x[rows]), y[rows]), items=len(rows))
+        accumulator.step(optimizer)
+        accumulator.remove_hooks()
+        wanted = (accumulator.stats.grad_sq_norm_estimate, accumulator.stats.trace_sigma_estimate)
+        assert found == pytest.approx(wanted, rel=1e-5), (found, wanted)

@@ -162,9 +162,7 @@ class GradAccumulator:
         # the hooks that fill the buffers inside the backward, armed only while a micro-batch's backward runs
         self._grad_hooks = BufferHooks(self._buffers) if self._buffers is not None else None
         self._statistics = RunStatistics(self.device, self._ledger_dtype)
-        self._noise = noise_scale_for(
-            settings, sharded=tracked.sharded, device=self.device, dtype=self._ledger_dtype
-        )
+        self._noise = noise_scale_for(settings, tracked, device=self.device, dtype=self._ledger_dtype)
         self._weighting = ItemWeighting(
             settings.scaling == "weighted", self._world, device=self.device, dtype=self._ledger_dtype
         )
@@ -307,21 +305,8 @@ class GradAccumulator:
     ) -> ItemCount:
         """Check one micro-batch's item count and compute the factor its loss must be multiplied by.
 
-        Never raises for a bad count and never syncs: an invalid count (negative, not finite, not a number,
-        missing under ``"weighted"``) gets weight 0 and is raised by :meth:`finalize`, after the window's
-        counts were summed over ranks, so that every rank raises together. Under data parallelism the first
-        call for ``"weighted"`` all-reduces the count once (every rank must make it, as Lightning does).
-
-        A micro-batch with 0 items contributes nothing if its loss's gradient is finite (a masked mean must
-        divide by ``mask.sum().clamp(min=1)``: its ``nan`` would make the window non-finite).
-
-        Args:
-            items: Samples or tokens in the micro-batch: a number >= 0 or a real scalar tensor; ``None``
-                when unknown (allowed except for ``"weighted"``).
-            loss_dtype: The loss's dtype: a weight for a fp16/bf16 loss is rounded to it first, so that the
-                boundary divides by exactly the weights that were applied.
-            label: How an error names this count, e.g. "the item count of batch 7".
-            error: A problem the caller found already (e.g. the count could not be inferred).
+        Never raises for a bad count and never syncs: the window's boundary raises, on every rank together
+        (the arguments and the rules: :meth:`~lightning_gradacc.core.weighting.ItemWeighting.weigh`).
 
         Example:
             >>> accumulator = GradAccumulator([torch.zeros(1, requires_grad=True)], scaling="weighted")
@@ -669,10 +654,19 @@ class GradAccumulator:
             buffer_bytes=self._buffers.nbytes if self._buffers is not None else 0,
         )
 
+    def ride(self, values: list[float]) -> None:
+        """Sum ``values`` over the ranks in the next window's all-reduce (no other); see :attr:`ridden`."""
+        self._end.riders = [float(value) for value in values]
+
     @property
-    def last_window_items(self) -> float:
-        """Items of the last window closed, over ranks (a host read: syncs if the step did not)."""
-        return self._statistics.value("items_last_step")
+    def ridden(self) -> list[float]:
+        """The last window's :meth:`ride` values summed over the ranks (syncs if the step did not)."""
+        ridden = self._end.ridden
+        return [float(v) for v in ridden.tolist()] if isinstance(ridden, Tensor) else list(ridden)
+
+    def statistic(self, name: str) -> float:
+        """One statistic of :attr:`stats` by name, on the host (syncs if the step did not, nothing else)."""
+        return self._statistics.value(name)
 
     @property
     def window_loss(self) -> float:
@@ -703,7 +697,7 @@ class GradAccumulator:
         Under data parallelism a collective (summed over ranks): every rank must call it. Syncs with the
         device (checkpoint time only). See :func:`~lightning_gradacc.core.checkpoint.save_open_window`.
         """
-        return save_open_window(
+        state = save_open_window(
             self._window,
             self._tracked,
             self._buffers,
@@ -711,6 +705,12 @@ class GradAccumulator:
             weighting=self._weighting,
             world=self._world,
         )
+        if state is not None:
+            _, all_reduce = self._world.resolve()
+            noise = self._noise.window_state(lambda t: all_reduce(t.clone()) if all_reduce is not None else t)
+            if noise is not None:  # the micro-batches' norms, so that the window's estimate goes on
+                state["noise"] = noise
+        return state
 
     def load_window_state_dict(self, state: Mapping[str, Any], *, primary: bool = True) -> None:
         """Re-open a window saved by :meth:`window_state_dict`; nothing changes if it does not fit.
@@ -737,7 +737,7 @@ class GradAccumulator:
             weighting=self._weighting,
             primary=primary,
         )
-        self._noise.mark_unusable()  # the restored micro-batches' own norms were not saved
+        self._noise.restore_window(state.get("noise"), primary=primary)  # older saves: no estimate
 
 
 GradAccumulator.__doc__ = with_setting_docs(GradAccumulator.__doc__)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,10 @@ import torch
 from torch import Tensor
 
 from .grad_hooks import WeakHook, remove_handles, same_tensors
+from .parameters import TrackedParameters
 from .scalars import Flag, Scalar, both, is_finite
+from .shards import _dtensor_type, fsdp2_modules
+from .torch_internals import fsdp2_unsharded_params
 
 
 def _select(ok: Flag, new: Scalar, old: Scalar) -> Scalar:
@@ -114,7 +117,8 @@ class NoiseScale:
     unbiased S, so an unmeasured one (re-entrant checkpointing of a shared weight fires a hook per
     segment; a gradient added without a backward) only leaves it out of S. The window's gradient still
     holds every micro-batch, so β_W counts them all. A window is *unusable* (no estimate) when that
-    count is incomplete: micro-batches restored from a checkpoint, a micro-batch of 0 items under
+    count is incomplete: micro-batches restored from a checkpoint that did not save their totals
+    (:meth:`window_state`: older saves), a micro-batch of 0 items under
     ``"mean"``/``"sum"`` (its gradient is 0, not a mean), item counts known for some micro-batches only,
     or parameters that started to require a gradient inside the window.
 
@@ -137,12 +141,21 @@ class NoiseScale:
     """
 
     def __init__(
-        self, decay: float, device: torch.device, dtype: torch.dtype, *, weighted: bool = False
+        self,
+        decay: float,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        weighted: bool = False,
+        hook_targets: Callable[[Sequence[Tensor]], list[Tensor | None]] | None = None,
     ) -> None:
         self.decay = decay
         self.device = device
         self.dtype = dtype
         self.weighted = weighted
+        # what to hook for each parameter: itself, or FSDP2's unsharded twin (None: not there yet)
+        self._hook_targets = hook_targets or list
+        self._waiting: tuple[Tensor, ...] | None = None  # parameters whose twins did not exist yet
         self._handles: list[Any] = []  # mutated in place: the finalizer below holds this list
         self._finalizer = weakref.finalize(self, remove_handles, self._handles)
         self._watched: tuple[Tensor, ...] = ()
@@ -159,9 +172,18 @@ class NoiseScale:
         """Hook the parameters that require a gradient (again, if the set changed).
 
         A window already open then becomes unusable: its earlier micro-batches were measured on others, and
-        so was a backward that ran since the last record (its micro-batch is recorded next).
+        so was a backward that ran since the last record (its micro-batch is recorded next). A parameter
+        whose hook target does not exist yet (FSDP2's unsharded twin, made at the first forward) is watched
+        when the next backward begins.
         """
-        watched = tuple(p for p in params if p.requires_grad)
+        wanted = tuple(p for p in params if p.requires_grad)
+        targets = self._hook_targets(wanted)
+        if any(target is None for target in targets):
+            self._waiting = wanted
+            self._unusable = True  # its micro-batches so far went unmeasured
+            return
+        self._waiting = None
+        watched = tuple(target for target in targets if target is not None)
         if same_tensors(watched, self._watched):
             return
         if self._micro_batches_recorded or self._fired:
@@ -177,7 +199,8 @@ class NoiseScale:
         """Whether the parameters requiring a gradient are not the ones hooked (one host pass, no sync)."""
         if not self._handles:
             return False
-        return not same_tensors(tuple(p for p in params if p.requires_grad), self._watched)
+        targets = self._hook_targets(tuple(p for p in params if p.requires_grad))
+        return any(t is None for t in targets) or not same_tensors(tuple(targets), self._watched)  # type: ignore[arg-type]
 
     @property
     def watching(self) -> bool:
@@ -187,7 +210,7 @@ class NoiseScale:
     def remove_hooks(self) -> None:
         """Remove the gradient hooks (a replaced accumulator must not keep measuring)."""
         remove_handles(self._handles)
-        self._watched = ()
+        self._watched, self._waiting = (), None
 
     def begin_backward(self) -> None:
         """A micro-batch's backward starts: forget norms from other passes.
@@ -195,6 +218,10 @@ class NoiseScale:
         E.g. ``torch.autograd.grad`` with respect to the parameters in ``training_step`` (a gradient
         penalty) fires the hooks too.
         """
+        if self._waiting is not None:  # the forward has made FSDP2's twins by now
+            unusable = self._unusable
+            self.watch(self._waiting)
+            self._unusable = unusable and self._micro_batches_recorded > 0
         self._parts: list[Tensor] = []
         self._fired: set[int] = set()
         self._repeated = False
@@ -276,20 +303,47 @@ class NoiseScale:
         return torch.full((), float(value), dtype=self.dtype, device=self.device)  # a fill: no copy, no sync
 
     def mark_unusable(self) -> None:
-        """The open window cannot be measured (e.g. micro-batches restored from a checkpoint)."""
+        """The open window cannot be measured (e.g. micro-batches restored without their totals)."""
         self._unusable = True
 
     def window_totals(self) -> Tensor:
         """This rank's :data:`TOTALS` of the window (a device vector); forgets them."""
-        small, rows, host = self._small, self._rows, list(self._host)
-        host[5] = 1.0 if self._unusable else 0.0
+        totals = self._open_totals()
         self.discard()
-        totals = torch.stack([self._full(value) for value in host])  # fills: no host-to-device copy
-        if small:
-            totals[0] += torch.stack(small).sum()
-        if rows:
-            totals += torch.stack(rows).sum(dim=0)
         return totals
+
+    def _open_totals(self) -> Tensor:
+        host = list(self._host)
+        host[5] = 1.0 if self._unusable else 0.0
+        totals = torch.stack([self._full(value) for value in host])  # fills: no host-to-device copy
+        if self._small:
+            totals[0] += torch.stack(self._small).sum()
+        if self._rows:
+            totals += torch.stack(self._rows).sum(dim=0)
+        return totals
+
+    def window_state(self, summed: Callable[[Tensor], Tensor]) -> dict[str, Any]:
+        """The open window's :data:`TOTALS` over the ranks (``summed``: a collective), for a checkpoint.
+
+        Restored on the first rank (the others from zero), the window's estimate is the uninterrupted one's:
+        the totals are summed over the ranks at the boundary anyway.
+        """
+        return {
+            "totals": [float(v) for v in summed(self._open_totals()).tolist()],
+            "micro_batches": self._micro_batches_recorded,
+            "unit_missing": self._unit_missing,
+        }
+
+    def restore_window(self, state: Mapping[str, Any] | None, *, primary: bool) -> None:
+        """Take a saved window's totals (``None``: saved without them: the window gives no estimate)."""
+        if state is None:
+            self.mark_unusable()
+            return
+        totals = [float(v) for v in state["totals"]]
+        self._host = totals if primary else [0.0] * len(TOTALS)
+        self._unusable = primary and totals[5] > 0
+        self._micro_batches_recorded = int(state["micro_batches"])
+        self._unit_missing = bool(state["unit_missing"])
 
     def discard_pending(self) -> None:
         """Forget the last backward's norms without counting them (a re-evaluated micro-batch)."""
@@ -316,7 +370,7 @@ class NoiseScale:
 
     def follow(self, params: Sequence[Tensor]) -> None:
         """The tracked parameters changed: hook the new set if this window is measured."""
-        if self.watching:
+        if self.watching or self._waiting is not None:
             self.watch(params)
 
     def record_micro_batch(
@@ -434,21 +488,46 @@ class NoiseScale:
 
 
 def noise_scale_for(
-    settings: Any, *, sharded: bool, device: torch.device, dtype: torch.dtype
+    settings: Any,
+    tracked: TrackedParameters,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> NoiseScale | NoNoiseScale:
     """The noise scale ``settings`` ask for: :class:`NoiseScale`, or :class:`NoNoiseScale` when off.
 
+    Under FSDP2 each parameter's hook goes on its unsharded twin, which holds this rank's micro-batch
+    gradient before the reduce-scatter (``torch_internals.fsdp2_unsharded_params``; the model must be
+    given as ``fsdp_module``).
+
     Raises:
-        NotImplementedError: ``noise_scale=True`` with sharded (FSDP) parameters.
+        NotImplementedError: ``noise_scale=True`` with FSDP1 (flat parameters), or FSDP2 without the model.
     """
     if not settings.noise_scale:
         return NoNoiseScale()
-    if sharded:
-        raise NotImplementedError(
-            "`noise_scale=True` is not supported with sharded (FSDP) parameters yet: their gradients"
-            " reach the shards by reduce-scatter, never through a gradient hook."
-        )
-    return NoiseScale(settings.noise_scale_decay, device, dtype, weighted=settings.scaling == "weighted")
+    hook_targets = None
+    if tracked.sharded:
+        module = tracked.fsdp_module
+        if tracked.flat_sharded or module is None:
+            raise NotImplementedError(
+                "`noise_scale=True` is not supported with FSDP1's flat parameters, nor with FSDP2 unless the"
+                " model is given as `fsdp_module` (the callback does): a sharded gradient reaches its shard"
+                " by reduce-scatter, and only FSDP2's unsharded parameters show each rank's micro-batch."
+            )
+        modules = fsdp2_modules(module)
+        dtensor = _dtensor_type()
+
+        def hook_targets(params: Sequence[Tensor]) -> list[Tensor | None]:
+            twins = fsdp2_unsharded_params(modules)
+            return [twins.get(id(p)) if dtensor is not None and isinstance(p, dtensor) else p for p in params]
+
+    return NoiseScale(
+        settings.noise_scale_decay,
+        device,
+        dtype,
+        weighted=settings.scaling == "weighted",
+        hook_targets=hook_targets,
+    )
 
 
 class NoNoiseScale:
@@ -490,6 +569,13 @@ class NoNoiseScale:
 
     def mark_unusable(self) -> None:
         """Nothing to mark."""
+
+    def window_state(self, summed: Callable[[Tensor], Tensor]) -> None:
+        """Nothing to save."""
+        return None
+
+    def restore_window(self, state: Mapping[str, Any] | None, *, primary: bool) -> None:
+        """Nothing to restore."""
 
     def discard(self) -> None:
         """Nothing to forget."""

@@ -488,7 +488,12 @@ class RunStatistics:
         self._ledger.hold_check(invalid, message)
 
     def value(self, name: str) -> float:
-        """One statistic on the host (syncs once if windows wait on the device; a deferred one is stale)."""
+        """One statistic or counter on the host (syncs once if windows wait on the device).
+
+        The window loss, computed only when read, comes from :attr:`window_loss`.
+        """
+        if name in ("windows", "total_micro_batches", "micro_batches_last_step"):
+            return float(getattr(self, name))
         return self._ledger.values(deferred=False)[name]
 
     @property

@@ -198,6 +198,24 @@ def fsdp2_held_back(modules: list[Any]) -> set[int]:
     return held
 
 
+def fsdp2_unsharded_params(modules: list[Any]) -> dict[int, Tensor]:
+    """Each FSDP2 parameter's unsharded twin by the ``id`` of its sharded parameter, where it exists yet.
+
+    ``FSDPParam._unsharded_param`` (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``): the parameter
+    the module computes with between FSDP2's all-gather and its reduce-scatter, made at the first all-gather
+    and kept (its storage is freed and reused). Autograd accumulates this rank's micro-batch gradient into
+    it before the reduce-scatter, so a hook on it sees the gradient a DDP rank's parameter would.
+    """
+    twins: dict[int, Tensor] = {}
+    for module in modules:
+        group = _fsdp2_group(module)
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                twins[id(fsdp_param.sharded_param)] = unsharded
+    return twins
+
+
 def drop_fsdp2_held_back(module: Any) -> None:
     """Forget the gradients an FSDP2 module held back while its sync or all-reduce was off (see above)."""
     group = _fsdp2_group(module)

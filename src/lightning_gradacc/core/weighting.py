@@ -87,7 +87,20 @@ class ItemWeighting:
     ) -> ItemCount:
         """Check ``items`` (never raising, never syncing) and compute the loss's weight.
 
-        See :meth:`GradAccumulator.weigh <lightning_gradacc.core.GradAccumulator.weigh>`.
+        An invalid count (negative, not finite, not a number, missing under ``"weighted"``) gets weight 0
+        and is raised by the window's boundary, after the window's counts were summed over ranks, so that
+        every rank raises together. Under data parallelism the first call for ``"weighted"`` all-reduces the
+        count once (every rank must make it, as Lightning does). A micro-batch with 0 items contributes
+        nothing if its loss's gradient is finite (a masked mean must divide by ``mask.sum().clamp(min=1)``:
+        its ``nan`` would make the window non-finite).
+
+        Args:
+            items: Samples or tokens in the micro-batch: a number >= 0 or a real scalar tensor; ``None``
+                when unknown (allowed except for ``"weighted"``).
+            label: How an error names this count, e.g. "the item count of batch 7".
+            loss_dtype: The loss's dtype: a weight for a fp16/bf16 loss is rounded to it first, so that the
+                boundary divides by exactly the weights that were applied.
+            error: A problem the caller found already (e.g. the count could not be inferred).
         """
         weighted = self.weighted
         if type(items) is int and items >= 0 and error is None and not weighted:  # the common case, quickly

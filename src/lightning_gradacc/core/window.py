@@ -285,6 +285,8 @@ class Measurement:
         tensor_largest: Each one's largest element (``clip_value``), likewise.
         noise: The noise scale's window totals (``noise_scale=True``).
         l2_norm: The window's L2 norm when clipping uses another (``noise_scale=True``).
+        riders: Numbers a caller asked to have summed over ranks with the window's totals (see
+            ``GradAccumulator.ride``).
 
     Example:
         >>> measured = Measurement({"items": torch.tensor(8.0), "weights": 1.0}, torch.tensor([3.0, 4.0]))
@@ -298,6 +300,7 @@ class Measurement:
     tensor_largest: Vector | None = None
     noise: Vector | None = None
     l2_norm: Scalar | None = None
+    riders: Vector | None = None
 
     def __getitem__(self, name: str) -> Any:
         """A total by quantity name."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -90,6 +90,8 @@ class WindowEnd:
         reduce_buffers: Averages the buffered window over the ranks (``reduce_gradients``), else ``None``.
         foreach: As in ``torch.nn.utils.clip_grad_norm_``.
         dtype: The dtype of the window's totals.
+        riders: Host numbers to sum over the ranks with the next window's totals (``GradAccumulator.ride``).
+        ridden: The last window's riders summed over the ranks (a device vector until the statistics sync).
     """
 
     settings: AccumulationSettings
@@ -102,6 +104,8 @@ class WindowEnd:
     reduce_buffers: Callable[[], None] | None
     foreach: bool | None
     dtype: torch.dtype
+    riders: list[float] = field(default_factory=list)
+    ridden: Tensor | list[float] = field(default_factory=list)
 
     @property
     def device(self) -> torch.device:
@@ -155,6 +159,7 @@ class WindowEnd:
         on_host = self.scale.scaler is None and self.settings.overflow != "ignore" and not on_device
         sums = self._sums(window)
         measured, norms = self._measure(window, sums, ranks[1], read_statistics, on_host)
+        self.ridden = measured.riders if measured.riders is not None else []
         factor, decision = self._decide(window, measured, norms, ranks[0])
         verdict = self._account(
             window, measured, decision, factor, sums, full, ranks[0], reevaluation, on_device
@@ -249,14 +254,20 @@ class WindowEnd:
         """
         totals = window.tally.totals(with_loss=all_reduce is not None)
         noise = self.noise.close_window(self.tracked.params)
-        if all_reduce is not None:  # the declared packet, and the noise scale's totals in the same call
-            packed = torch.stack([self._scalar(totals[name]) for name in SUMMED])
+        riders: Tensor | list[float] | None = list(self.riders) if self.riders else None
+        if all_reduce is not None:  # the declared packet, the riders and the noise scale's totals, one call
+            packed = torch.stack(
+                [self._scalar(value) for value in (*(totals[n] for n in SUMMED), *self.riders)]
+            )
             reduced = all_reduce(packed if noise is None else torch.cat([packed, noise]))
             totals.update(zip(SUMMED, reduced[: len(SUMMED)].unbind(), strict=True))
-            noise = reduced[len(SUMMED) :] if noise is not None else None
+            end = len(SUMMED) + len(self.riders)
+            riders = reduced[len(SUMMED) : end] if self.riders else None
+            noise = reduced[end:] if noise is not None else None
         elif read_statistics:
             totals.update(zip(LOSS, window.tally.loss_totals(), strict=True))
-        return Measurement(totals, noise=noise)
+        self.riders = []
+        return Measurement(totals, noise=noise, riders=riders)
 
     def _scalar(self, value: Scalar) -> Tensor:
         """A scalar on the totals' device, created by a fill kernel (no host-to-device copy)."""
