@@ -15,6 +15,7 @@ import psutil
 import pytorch_lightning as pl
 import torch
 
+from .auto_batch import PLOT, auto_batch
 from .measure import (
     boundary_pass,
     gradient_sets,
@@ -232,7 +233,16 @@ def sharded(quick: bool) -> list[str]:
     return lines
 
 
-SECTIONS = ("throughput", "boundary", "memory", "gradient-memory", "syncs", "operators", "sharded")
+SECTIONS = (
+    "throughput",
+    "boundary",
+    "memory",
+    "gradient-memory",
+    "syncs",
+    "operators",
+    "sharded",
+    "auto-batch",
+)
 
 
 def main() -> None:
@@ -255,6 +265,7 @@ def main() -> None:
     torch.set_num_threads(max(1, psutil.cpu_count(logical=False) or 1))
     device, quick = args.device, args.quick
     model = "tiny model" if quick else "33.6M parameters"
+    out = args.out or Path(__file__).parent / f"results-{args.device}{'-quick' if args.quick else ''}.md"
     measured = {
         "throughput": lambda: [
             "## Time per micro-batch, as a ratio to Lightning's built-in\n",
@@ -288,12 +299,15 @@ def main() -> None:
             " (2 CPU processes, gloo, 4.2M parameters, K=4)\n",
             *sharded(quick),
         ],
+        "auto-batch": lambda: [
+            '\n## `accumulation_steps="auto"` against fixed K: samples and time to a target loss (CPU)\n',
+            *auto_batch(quick, PLOT if not quick else out.with_suffix(".svg")),
+        ],
     }
     sections = [f"# Benchmarks ({device})\n\nMachine: {machine(device)}. Best of {repeats} repeat(s).\n"]
     for name in SECTIONS:
         if name in args.only:
             sections.extend(measured[name]())
-    out = args.out or Path(__file__).parent / f"results-{args.device}{'-quick' if args.quick else ''}.md"
     out.write_text("\n".join(sections) + "\n")
     print(f"wrote {out}")
 

@@ -16,8 +16,9 @@ def test_benchmarks_run_tiny_and_write_a_report(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     report = out.read_text()
     headings = ("Time per micro-batch", "boundary pass", "Memory", "Peak gradient memory", "Host syncs")
-    for heading in (*headings, "Operators launched"):
+    for heading in (*headings, "Operators launched", '`accumulation_steps="auto"` against fixed K'):
         assert heading in report
+    assert out.with_suffix(".svg").read_text().startswith("<svg")  # the plot of the "auto" runs
     assert "nan" not in report.lower()
     sync_rows = [line for line in report.splitlines() if line.startswith("| callback")][-3:]
     assert all(line.split("|")[2].strip() == "0" for line in sync_rows)  # no sync while accumulating
