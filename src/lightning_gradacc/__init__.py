@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from .core import AccumulationStats, GradAccumulator, GradientOverflowError
 from .k_policies import AutoSettings, linear_ramp
+from .lr_schedule import TokenSchedule
 
 if TYPE_CHECKING:
     from .callback import GradientAccumulationCallback, estimated_stepping_batches
@@ -22,6 +23,7 @@ __all__ = [
     "GradAccumulator",
     "GradientAccumulationCallback",
     "GradientOverflowError",
+    "TokenSchedule",
     "__version__",
     "estimated_stepping_batches",
     "linear_ramp",

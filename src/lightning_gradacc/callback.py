@@ -2,9 +2,9 @@
 
 It decides *when* (which hook, which micro-batch, which rank); the core computes *what*. The hooks hand
 the rest on: the run checks to :mod:`~lightning_gradacc.compatibility`, K to
-:mod:`~lightning_gradacc.k_owner`, item counts to :mod:`~lightning_gradacc.counters`, which backward
+:mod:`~lightning_gradacc.window_plan`, item counts to :mod:`~lightning_gradacc.counters`, which backward
 reduces over the ranks to :mod:`~lightning_gradacc.reduction`, the checkpoint entry to
-:mod:`~lightning_gradacc.saved_state`, what is logged to :mod:`~lightning_gradacc.reporting`, and every
+:mod:`~lightning_gradacc.fit_accumulator`, what is logged to :mod:`~lightning_gradacc.reporting`, and every
 private attribute of Lightning to :mod:`~lightning_gradacc.lightning_internals`. What the callback knows of
 the current micro-batch is one :class:`_Batch`.
 
@@ -34,11 +34,12 @@ from .core.torch_internals import disarm
 from .counters import check_item_count_fn, count_micro_batch
 from .fit_accumulator import ParameterGroups, SavedState, build_accumulator
 from .k_policies import AutoSettings, make_policy
+from .lr_schedule import TokenSchedule, make_schedule
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
 from .reduction import WindowReduction, check_reduction
 from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from here too
 from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
-from .reporting import SkipWarnings, format_summary, step_metrics
+from .reporting import SkipWarnings, format_summary, monitors_statistics, step_metrics, update_between_logs
 from .window_plan import WindowPlan
 
 # Type-checked against pytorch_lightning's Callback (both namespaces have the same hooks); a plain mixin at
@@ -65,14 +66,10 @@ class _Batch:
 
 
 def estimated_stepping_batches(trainer: pl.Trainer, *, most: bool = False) -> int | float:
-    """The exact number of optimizer steps of ``trainer``'s fit, for step-interval LR schedulers.
+    """The exact number of optimizer steps of ``trainer``'s fit, following the callback's plan.
 
-    With a :class:`GradientAccumulationCallback` this follows its plan (an epoch schedule changes K per
-    epoch, which ``trainer.estimated_stepping_batches`` ignores); without one it is Lightning's estimate.
-    Call it where Lightning's is called, e.g. in ``configure_optimizers``:
-    ``OneCycleLR(optimizer, max_lr=0.1, total_steps=estimated_stepping_batches(self.trainer))``. With
-    ``accumulation_steps="auto"`` the count is not known before training (``ValueError``); ``most=True``
-    gives the most steps the fit can take.
+    E.g. ``OneCycleLR(..., total_steps=estimated_stepping_batches(trainer))`` in ``configure_optimizers``;
+    Lightning's estimate without the callback. ``"auto"``: ``ValueError``; ``most=True``: the most steps.
     """
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, GradientAccumulationLogic):
@@ -120,6 +117,10 @@ class GradientAccumulationLogic(_LogicBase):
             schedulers never see it); logged as ``grad_accum/lr_factor``.
         auto: How ``"auto"`` chooses K: the rule (an example budget, or goodput), the bounds, the hysteresis
             (:class:`~lightning_gradacc.k_policies.AutoSettings`, its fields documented there).
+        lr_schedule: A learning-rate schedule by items consumed (tokens with a token counter): warmup and
+            decay over an item budget (:class:`~lightning_gradacc.lr_schedule.TokenSchedule`, or its fields as
+            a mapping), a factor on every step's learning rates at the items of the windows before it, over
+            all ranks: the same learning rate per token whatever K runs; logged in ``lr_factor``.
         Math settings: (each field of ``AccumulationSettings``, documented there once, listed here)
 
     Attributes:
@@ -165,9 +166,10 @@ class GradientAccumulationLogic(_LogicBase):
         schedule_unit: Literal["epochs", "steps", "items"] = "epochs",
         lr_scaling: Literal["none", "sqrt", "linear"] = "none",
         auto: AutoSettings | dict[str, Any] | None = None,
+        lr_schedule: TokenSchedule | dict[str, Any] | None = None,
     ) -> None:
         policy = make_policy(accumulation_steps, target_batch_size, schedule_unit, auto)
-        self.plan = WindowPlan(policy, lr_scaling)
+        self.plan = WindowPlan(policy, lr_scaling, make_schedule(lr_schedule))
         self.sharded_reduction = check_reduction(sharded_reduction)
         given = locals()  # the math settings are declared once, by `AccumulationSettings`, which checks them
         implied = {"noise_scale": True} if policy.adaptive else {}  # "auto" decides from the noise scale
@@ -190,10 +192,10 @@ class GradientAccumulationLogic(_LogicBase):
         self._skips = SkipWarnings()
         self._grads_read_before_step = True  # by a hook after this callback's: set at train start
         self._stepped_on_device = False  # a step of this fit was decided on the device
-        self._warned_no_items = False
+        self._warned_no_items = self._warned = False  # of counts, once (the labels of "weighted": read once)
+        self._monitored = False  # a callback monitors a `grad_accum/` key: read the statistics every step
         self._log_dir: str | None = None  # the last fit's logger's, for `summary()`
-        # buffers filled inside the backward where the core can (False: after it; benchmarks compare both)
-        self._accumulate_in_backward = True
+        self._accumulate_in_backward = True  # buffers filled inside the backward (False: after; benchmarks)
 
     # ------------------------------------------------------------------------------------ reporting
 
@@ -216,14 +218,7 @@ class GradientAccumulationLogic(_LogicBase):
 
     @property
     def items_consumed(self) -> float | None:
-        """Items of the windows closed so far, over all ranks, in a schedule keyed by items.
-
-        Tokens with a token counter; ``None`` without such a schedule. An LR schedule can be indexed by it.
-
-        Example:
-            >>> print(GradientAccumulationCallback({0: 1, "1k": 2}, schedule_unit="items").items_consumed)
-            None
-        """
+        """Items of the windows closed so far, over ranks, where counted (keyed by items, "auto", LR)."""
         return self.plan.items_consumed
 
     @property
@@ -290,6 +285,7 @@ class GradientAccumulationLogic(_LogicBase):
             self._api, self._sync, self.sharded_reduction, settings, per_micro_batch
         )
         self._build_accumulator(trainer, pl_module)
+        self._monitored = monitors_statistics(trainer.callbacks)  # type: ignore[attr-defined]
         compat.check_optimizers(
             trainer,
             self.plan.largest_k(),
@@ -385,11 +381,12 @@ class GradientAccumulationLogic(_LogicBase):
                 accumulator.reset(set_grads_to_none=True)
         weighted = self.settings.scaling == "weighted"
         counted = count_micro_batch(
-            batch, batch_idx, self.item_count_fn, weighted, self._api.extract_batch_size
+            batch, batch_idx, self.item_count_fn, weighted, self._api.extract_batch_size, not self._warned
         )
         current.items, current.label, current.error = counted.items, counted.label, counted.error
+        self._warned = self._warned or weighted  # the labels were looked at (a host read) or warned of
         if counted.warning is not None and not self._warned_no_items:
-            self._warned_no_items = True
+            self._warned_no_items = self._warned = True
             self._api.rank_zero_warn(counted.warning)
 
     @override
@@ -482,6 +479,10 @@ class GradientAccumulationLogic(_LogicBase):
             if self._stepped_on_device and logged:  # skipped on the device: counted at this read
                 skipped = int(logged["grad_accum/skipped_steps"])
                 self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)
+        elif self.log_stats:  # `callback_metrics` at every step, without a host read of their own
+            update_between_logs(
+                trainer, self._accumulator, self.settings.noise_scale, self.plan, self._monitored
+            )
 
     def metrics(self) -> dict[str, float]:
         """The scalars logged under ``grad_accum/`` (:func:`~lightning_gradacc.reporting.step_metrics`)."""

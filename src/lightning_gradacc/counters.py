@@ -153,6 +153,7 @@ def count_micro_batch(
     item_count_fn: Callable[[Any], Any] | None,
     weighted: bool,
     extract_batch_size: Callable[[Any], int],
+    check_labels: bool = False,
 ) -> MicroBatchCount:
     """The callback's item count of a micro-batch: ``item_count_fn``, else the batch size.
 
@@ -168,6 +169,8 @@ def count_micro_batch(
         item_count_fn: The user's counter, or ``None``; what it raises propagates.
         weighted: Whether the scaling is ``"weighted"``.
         extract_batch_size: Lightning's inference, for batches the fast path does not cover.
+        check_labels: Under ``"weighted"`` without ``item_count_fn``, warn if the labels hold ``-100``
+            (:func:`ignored_labels_warning`: a host read, once).
 
     Example:
         >>> import torch
@@ -185,7 +188,8 @@ def count_micro_batch(
     label = f"the batch size of batch {batch_idx}"
     if weighted:
         try:
-            return MicroBatchCount(unambiguous_batch_size(batch), label)
+            warning = ignored_labels_warning(batch) if check_labels else None
+            return MicroBatchCount(unambiguous_batch_size(batch), label, warning=warning)
         except ValueError as error:
             return MicroBatchCount(
                 None,
@@ -206,6 +210,39 @@ def count_micro_batch(
                 " statistic will not count such batches. Scaling is unaffected."
             ),
         )
+
+
+def ignored_labels_warning(batch: Any) -> str | None:
+    """The warning for ``scaling="weighted"`` without ``item_count_fn`` on a batch whose labels hold ``-100``.
+
+    The labels are ``batch["labels"]`` for a mapping, else the last element of a tuple/list batch, when they
+    are an integer tensor. One host read (call it once, on a fit's first batch).
+
+    Example:
+        >>> import torch
+        >>> batch = {"input_ids": torch.ones(2, 3), "labels": torch.tensor([[1, 2, -100], [3, -100, -100]])}
+        >>> ignored_labels_warning(batch)[:60]
+        "`scaling='weighted'` without `item_count_fn` weights each mi"
+        >>> ignored_labels_warning((torch.ones(2, 3), torch.tensor([0, 1]))) is None
+        True
+    """
+    if isinstance(batch, Mapping):
+        labels = batch.get("labels")
+    elif isinstance(batch, Sequence) and not isinstance(batch, str) and batch:
+        labels = batch[-1]
+    else:
+        return None
+    if not isinstance(labels, Tensor) or labels.is_floating_point() or labels.is_complex():
+        return None
+    if not bool((labels == IGNORE_INDEX).any()):
+        return None
+    return (
+        "`scaling='weighted'` without `item_count_fn` weights each micro-batch by its batch size, but its"
+        f" labels hold {IGNORE_INDEX} (tokens the loss ignores): the step is then not the big batch of its"
+        " tokens. Pass `item_count_fn=count_predicted_tokens` for a model that shifts the labels itself"
+        " (Hugging Face causal LMs), or `count_tokens` for labels already aligned with the logits"
+        " (`from lightning_gradacc.counters import ...`)."
+    )
 
 
 def _labels(batch: Any, counter: str) -> Tensor:

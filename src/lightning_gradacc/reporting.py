@@ -6,6 +6,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .core import AccumulationStats, GradAccumulator
 
 # Statistics logged under "grad_accum/" with their own names (all but the open window's micro-batches).
@@ -18,7 +20,11 @@ LOGGED_STATISTICS = tuple(
 
 
 def step_metrics(
-    accumulator: GradAccumulator | None, *, noise_scale: bool, plan: dict[str, float] | None = None
+    accumulator: GradAccumulator | None,
+    *,
+    noise_scale: bool,
+    plan: dict[str, float] | None = None,
+    window_loss: bool = True,
 ) -> dict[str, float]:
     """The logged scalars: ``LOGGED_STATISTICS`` (and ``NOISE_STATISTICS``), ``window_loss`` and the plan's.
 
@@ -26,6 +32,7 @@ def step_metrics(
         accumulator: The accumulator of the fit (``None``: nothing to log yet).
         noise_scale: Whether the noise scale is estimated.
         plan: The window plan's scalars by name (``lr_factor``; ``"auto"``'s target and its estimate).
+        window_loss: Whether to include the window loss (computed when read: a host read on a device).
 
     Example:
         >>> import torch
@@ -38,7 +45,8 @@ def step_metrics(
     stats = accumulator.stats.as_dict()
     names = LOGGED_STATISTICS + (NOISE_STATISTICS if noise_scale else ())
     logged = {f"grad_accum/{name}": float(stats[name]) for name in names}
-    logged["grad_accum/window_loss"] = accumulator.window_loss
+    if window_loss:
+        logged["grad_accum/window_loss"] = accumulator.window_loss
     logged.update({f"grad_accum/{name}": value for name, value in (plan or {}).items()})
     return logged
 
@@ -209,3 +217,25 @@ def format_summary(
     if sentence is not None:
         lines += ["", sentence]
     return "\n".join(lines)
+
+
+def monitors_statistics(callbacks: list[Any]) -> bool:
+    """Whether a callback monitors a ``grad_accum/`` key (``ModelCheckpoint``, ``EarlyStopping``)."""
+    return any(
+        str(getattr(callback, "monitor", None) or "").startswith("grad_accum/") for callback in callbacks
+    )
+
+
+def update_between_logs(
+    trainer: Any, accumulator: GradAccumulator | None, noise_scale: bool, plan: Any, monitored: bool
+) -> None:
+    """Keep ``trainer.callback_metrics`` current at every step, as ``self.log`` does, between logging steps.
+
+    Without a host read of its own: the statistics already on the host (all of them after a step decided on
+    the host; the window loss, computed when read, at logging steps only), unless ``monitored``: then every
+    statistic is read (one host read per step where the step was decided on the device).
+    """
+    if accumulator is None or not (monitored or accumulator.statistics_on_host):
+        return
+    metrics = step_metrics(accumulator, noise_scale=noise_scale, plan=plan.metrics(), window_loss=monitored)
+    trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})

@@ -40,6 +40,7 @@ import torch
 from . import lightning_internals as internals
 from .core.settings import check_choice
 from .k_policies import FixedK, KPolicy, TargetBatchSize, WindowFacts, stepping_batches
+from .lr_schedule import TokenSchedule
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -98,6 +99,8 @@ class WindowPlan:
         policy: How K is chosen, as configured (never changed: each fit works on its own copy).
         lr_scaling: ``"none"``, ``"sqrt"`` or ``"linear"``: every step's learning rates times
             ``(K_window / K_first) ** p`` with p = 0, 1/2 or 1.
+        lr_schedule: A schedule by items consumed: every step's learning rates also times its factor at
+            the items of the windows closed before the step's (over all ranks).
 
     Attributes:
         policy: The configured policy.
@@ -118,8 +121,15 @@ class WindowPlan:
         (2, 3, 5)
     """
 
-    def __init__(self, policy: KPolicy, lr_scaling: Any = "none") -> None:
+    def __init__(
+        self, policy: KPolicy, lr_scaling: Any = "none", lr_schedule: TokenSchedule | None = None
+    ) -> None:
         self.policy = policy
+        self.lr_schedule = lr_schedule
+        # the items before the window that steps next: the step's pre-hook runs before Lightning's closure
+        # closes the window, or after it where the callback steps the window itself
+        self._items_before = 0.0
+        self._closed_unstepped = False
         self.run: KPolicy | None = None
         self.position = Position()
         self.lr_scaling = check_choice("lr_scaling", lr_scaling, LRScalingMode)
@@ -165,8 +175,8 @@ class WindowPlan:
         return self._policy.progress(self.position.steps, self.position.items)
 
     def metrics(self) -> dict[str, float]:
-        """What the plan logs at each step: ``lr_factor`` (with ``lr_scaling``) and the policy's scalars."""
-        factor = {"lr_factor": self.lr_factor} if self.lr_scaling != "none" else {}
+        """What the plan logs at each step: ``lr_factor`` (``lr_scaling``, ``lr_schedule``), the policy's."""
+        factor = {"lr_factor": self.lr_factor} if self._scales_lrs else {}
         return {**factor, **self._policy.metrics()}
 
     @property
@@ -175,7 +185,16 @@ class WindowPlan:
 
         ``None`` before training, or when the fit's policy does not count them.
         """
-        return self.position.items if self.run is not None and self.run.counts_items else None
+        return self.position.items if self.run is not None and self._counts_items else None
+
+    @property
+    def _counts_items(self) -> bool:
+        """Whether the items of each window are read (a host read per step): for the policy or the LR."""
+        return self._policy.counts_items or self.lr_schedule is not None
+
+    @property
+    def _scales_lrs(self) -> bool:
+        return self._power != 0.0 or self.lr_schedule is not None
 
     def stepping_batches(
         self, trainer: pl.Trainer, *, counts_samples: bool = True, most: bool = False
@@ -334,6 +353,7 @@ class WindowPlan:
         """
         position = self.position
         opens = position.batches_in_window == 0
+        self._closed_unstepped = self._closed_unstepped and not opens  # a window skipped took no step
         if opens and self._policy.per_window:
             self.open_window(internals.batches_ready(trainer), trainer)
         position.batches_in_window += 1
@@ -362,7 +382,8 @@ class WindowPlan:
         """
         position, policy = self.position, self._policy
         position.steps += 1
-        if policy.counts_items:
+        self._items_before, self._closed_unstepped = position.items, True  # this window's step's index
+        if self._counts_items:
             position.items += accumulator.statistic("items_last_step")
         position.batches_in_window = 0
         if policy.adaptive:
@@ -431,7 +452,7 @@ class WindowPlan:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        if self._power == 0.0:
+        if not self._scales_lrs:
             return
         for optimizer in optimizers:
             self._hooks.append(optimizer.register_step_pre_hook(self._scale_lrs))
@@ -440,6 +461,9 @@ class WindowPlan:
     def _scale_lrs(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         first = self._policy.first_k() or 1
         self.lr_factor = (self.position.window_k / first) ** self._power
+        if self.lr_schedule is not None:
+            items = self._items_before if self._closed_unstepped else self.position.items
+            self.lr_factor *= self.lr_schedule.factor(items)
         if self.lr_factor == 1.0:
             return
         for group in optimizer.param_groups:
@@ -447,6 +471,7 @@ class WindowPlan:
             group["lr"] = group["lr"] * self.lr_factor
 
     def _unscale_lrs(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._closed_unstepped = False
         self._restore_lrs()
 
     def _restore_lrs(self) -> None:

@@ -140,3 +140,19 @@ def test_batches_without_an_inferable_size_warn_once_and_still_train() -> None:
     assert len(inferred) == 1 and "batch 0" in str(inferred[0].message)  # 10 batches, one warning
     assert callback.stats.windows == 3
     assert callback.stats.items_last_step == 0
+
+
+def _ignored_label_warnings(**callback: Any) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(h.TokenModule(h.token_data(24)), GradientAccumulationCallback(4, **callback), max_epochs=2)
+    return [str(w.message) for w in caught if "labels hold -100" in str(w.message)]
+
+
+def test_weighted_by_samples_on_labels_with_ignored_tokens_warns_once_naming_the_counter() -> None:
+    """Padded token batches with `scaling="weighted"` and no `item_count_fn` are weighted by sequences, not
+    tokens: said once (the first batch's labels are read once), with the counters to use."""
+    (message,) = _ignored_label_warnings(scaling="weighted")
+    assert "item_count_fn=count_predicted_tokens" in message and "`count_tokens`" in message
+    assert _ignored_label_warnings(scaling="weighted", item_count_fn=h.count_tokens) == []
+    assert _ignored_label_warnings(scaling="mean") == []  # not weighted: the counts only feed statistics

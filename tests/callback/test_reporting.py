@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import pytorch_lightning as pl
 
 from lightning_gradacc import AccumulationStats, GradientAccumulationCallback
 from tests import helpers as h
@@ -59,3 +60,51 @@ def test_the_summary_says_which_side_of_the_noise_scale_the_run_is_on(
     assert expected in (noise_sentence(stats) or "")
     assert expected in format_summary(stats, 0.5, None)
     assert noise_sentence(AccumulationStats()) is None  # not measured: nothing said
+
+
+# ------------------------------------------------------------------- callback_metrics between logging steps
+
+
+class _Module(h.RegressionModule):
+    """`h.RegressionModule` that records `grad_accum/windows` from `callback_metrics` after every batch."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(h.regression_data(24), optimizer=optimizer)
+        self.seen: list[float | None] = []
+
+    def on_train_batch_end(self, *args: object) -> None:
+        value = self.trainer.callback_metrics.get("grad_accum/windows")
+        self.seen.append(None if value is None else float(value))
+
+
+def test_callback_metrics_hold_the_statistics_of_every_step_as_self_log_does() -> None:
+    """`log_every_n_steps=50` and 6 steps: no logging step, yet `callback_metrics` follows every step (the
+    statistics of a host-decided step are on the host already: no read of their own)."""
+    module = _Module("sgd")
+    h.fit(module, GradientAccumulationCallback(2), log_every_n_steps=50, max_epochs=2)
+    assert module.seen == [None, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0, 5.0, 5.0, 6.0]
+    assert "grad_accum/window_loss" not in module.trainer.callback_metrics  # computed when read: not here
+
+
+def test_a_monitored_statistic_is_read_every_step_also_where_the_step_was_decided_on_the_device(
+    tmp_path: object,
+) -> None:
+    """A fused optimizer decides on the device: its statistics are read (a host read) at logging steps only,
+    unless a callback monitors one, as `ModelCheckpoint(monitor="grad_accum/window_loss")` in a short run."""
+    unmonitored = _Module("adam_fused")
+    h.fit(unmonitored, GradientAccumulationCallback(2), log_every_n_steps=50, max_epochs=2)
+    assert set(unmonitored.seen) == {None}
+    module = _Module("adam_fused")
+    checkpoint = pl.callbacks.ModelCheckpoint(
+        dirpath=str(tmp_path), monitor="grad_accum/window_loss", every_n_train_steps=1, save_top_k=1
+    )
+    h.fit(
+        module,
+        GradientAccumulationCallback(2),
+        checkpoint,
+        log_every_n_steps=50,
+        max_epochs=2,
+        enable_checkpointing=True,
+    )
+    assert module.seen[1::2] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert checkpoint.best_model_score is not None and float(checkpoint.best_model_score) > 0

@@ -664,6 +664,11 @@ class GradAccumulator:
         ridden = self._end.ridden
         return [float(v) for v in ridden.tolist()] if isinstance(ridden, Tensor) else list(ridden)
 
+    @property
+    def statistics_on_host(self) -> bool:
+        """Whether every closed window's statistics are on the host (reading :attr:`stats` costs no sync)."""
+        return self._statistics.fresh
+
     def statistic(self, name: str) -> float:
         """One statistic of :attr:`stats` by name, on the host (syncs if the step did not, nothing else)."""
         return self._statistics.value(name)
@@ -697,20 +702,15 @@ class GradAccumulator:
         Under data parallelism a collective (summed over ranks): every rank must call it. Syncs with the
         device (checkpoint time only). See :func:`~lightning_gradacc.core.checkpoint.save_open_window`.
         """
-        state = save_open_window(
+        return save_open_window(
             self._window,
             self._tracked,
             self._buffers,
             scale=self._scale,
             weighting=self._weighting,
             world=self._world,
+            noise=self._noise,
         )
-        if state is not None:
-            _, all_reduce = self._world.resolve()
-            noise = self._noise.window_state(lambda t: all_reduce(t.clone()) if all_reduce is not None else t)
-            if noise is not None:  # the micro-batches' norms, so that the window's estimate goes on
-                state["noise"] = noise
-        return state
 
     def load_window_state_dict(self, state: Mapping[str, Any], *, primary: bool = True) -> None:
         """Re-open a window saved by :meth:`window_state_dict`; nothing changes if it does not fit.

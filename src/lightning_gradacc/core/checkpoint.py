@@ -123,10 +123,12 @@ def save_open_window(
     scale: GradientScale,
     weighting: ItemWeighting,
     world: World,
+    noise: Any = None,
 ) -> dict[str, Any] | None:
     """The open ``window`` (its summed gradients and counters), or ``None`` between windows.
 
-    Under data parallelism the rank-dependent parts (gradients, items, losses) are summed over ranks:
+    With ``noise`` (the noise scale) its totals of the window go with it, so that the window's estimate goes
+    on. Under data parallelism the rank-dependent parts (gradients, items, losses) are summed over ranks:
     a collective, so every rank must call it (Lightning does, when it saves a checkpoint). Loaded on
     the first rank, with the other ranks starting from zero, the sum continues exactly, because the
     all-reduce at the end of the window is linear. Syncs with the device (checkpoint time only).
@@ -199,6 +201,7 @@ def save_open_window(
         **scale.state_dict(),
         "tensors": tensors,
         "sharded": sharded,  # whole gradients of sharded parameters: every rank takes its shard at load
+        **({"noise": totals} if noise is not None and (totals := noise.window_state(summed)) else {}),
     }
 
 
