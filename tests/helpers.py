@@ -746,7 +746,9 @@ def ddp_trainer(*callbacks: pl.Callback, strategy: object = "ddp_spawn", **kwarg
 
 # ------------------------------------------------------------------------------- configs and the CLI
 
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+# The demo experiments, whose classes go by short names in either namespace; `lm_finetune.yaml` names its own
+# (lightning.pytorch) by their import paths and is run by `tests/test_lm_recipe.py`.
+CONFIGS = sorted(path for path in (ROOT / "configs").glob("*.yaml") if path.stem != "lm_finetune")
 QUICK = [  # command-line overrides that keep a config's run short
     "--trainer.max_epochs=2",
     "--trainer.limit_train_batches=6",

@@ -24,6 +24,7 @@ SINGLE_PROCESS = [path for path in CONFIGS if path.stem != "ddp_cpu"]
 
 def test_every_config_exists() -> None:
     expected = {"quickstart", "token_lm", "schedule", "target_batch", "ddp_cpu", "warmup_tokens", "auto"}
+    assert {p.stem for p in CONFIGS} | {"lm_finetune"} == {p.stem for p in (ROOT / "configs").glob("*.yaml")}
     assert {p.stem for p in CONFIGS} == expected
 
 
