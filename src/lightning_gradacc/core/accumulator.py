@@ -73,19 +73,15 @@ class GradAccumulator:
             whole, and their norms are combined over each wrapper's shard group: required for such
             parameters. With FSDP2 (whose ``DTensor`` gradients describe themselves) it lets a mid-window
             :meth:`window_state_dict` tell, parameter by parameter, a gradient FSDP2 holds unsynced.
-        reduce_gradients: Average the window's buffered sums over the data-parallel ranks when they leave
-            the buffers (:meth:`flush_to_grad` or :meth:`finalize`), instead of relying on DDP's backward:
-            for DDP with every backward of the window under ``no_sync()``, which the per-micro-batch modes
-            need so that the window's last micro-batch is checked and clipped on its own too. Needs
-            ``accumulation_dtype``; costs one all-reduce of the buffers per step (not overlapped with the
-            backward) and one small host sync to learn which parameters hold a gradient on some rank.
-        accumulate_in_backward: With ``accumulation_dtype``, add each parameter's gradient into its buffer
-            inside the backward and release ``.grad`` (:mod:`~lightning_gradacc.core.grad_hooks`): the peak
-            holds the buffers and one parameter's gradient; the sum is bitwise the same. Not with the
-            per-micro-batch checks or sharded parameters (moved after the backward there). ``False``: always
-            after the backward, e.g. for code that reads ``.grad`` before :meth:`record`, or under DDP with
-            ``find_unused_parameters=True`` or ``static_graph=True`` (its reducer marks a parameter used in a
-            ``no_sync()`` backward only when ``.grad`` holds a gradient).
+        reduce_gradients: Average the buffered sums over the ranks when they leave the buffers, not in DDP's
+            backward: for every backward under ``no_sync()`` (the per-micro-batch modes check the last one on
+            its own too). Needs ``accumulation_dtype``; costs one all-reduce of the buffers per step (not
+            overlapped) and one small host sync (which parameters hold a gradient on some rank).
+        accumulate_in_backward: With ``accumulation_dtype``, add each gradient into its buffer inside the
+            backward and release ``.grad`` (:mod:`~lightning_gradacc.core.grad_hooks`; the peak holds the
+            buffers and one gradient). Not with the per-micro-batch checks or sharded parameters. ``False``:
+            after the backward, for code reading ``.grad`` before :meth:`record`, or DDP with
+            ``find_unused_parameters``/``static_graph`` (a ``no_sync()`` backward marks what ``.grad`` holds).
         Math settings: (each field of ``AccumulationSettings``, documented there once, listed here)
 
     Example:
@@ -346,6 +342,7 @@ class GradAccumulator:
         label: str | None = None,
         error: str | None = None,
         in_place: bool = False,
+        amp_scaled: bool = True,
     ) -> Tensor:
         """Start one micro-batch: weigh its loss and get the window ready for its backward.
 
@@ -363,6 +360,7 @@ class GradAccumulator:
             label: How an error names the item count.
             error: A problem the caller found with the item count already.
             in_place: Weigh ``loss`` itself (for a caller that back-propagates that very tensor).
+            amp_scaled: ``False``: the ``grad_scaler`` scales ``loss`` in its backward (``fabric.backward``).
 
         Returns:
             The weighted loss to back-propagate (``loss`` itself with ``in_place``).
@@ -376,6 +374,8 @@ class GradAccumulator:
         weighted = self._weighting.weighted
         # recorded as back-propagated, before its weight: a loss about to be weighted in place needs a copy
         recorded = loss.detach().clone() if in_place and weighted else loss.detach()
+        if not amp_scaled and self._scale.scaler is not None:
+            recorded = self._scale.scaler.scale(recorded)  # a multiply on the device: no sync
         to_backward = count.weigh_loss(loss, in_place=in_place) if weighted else loss  # else weight 1
         last = self._window.micro_batches + 1 >= self._accumulation_steps if last is None else last
         self._pending = _MicroBatch(count, recorded, last)
@@ -662,7 +662,7 @@ class GradAccumulator:
     def ridden(self) -> list[float]:
         """The last window's :meth:`ride` values summed over the ranks (syncs if the step did not)."""
         ridden = self._end.ridden
-        return [float(v) for v in ridden.tolist()] if isinstance(ridden, Tensor) else list(ridden)
+        return [float(v) for v in (ridden.tolist() if isinstance(ridden, Tensor) else ridden)]
 
     @property
     def statistics_on_host(self) -> bool:
