@@ -31,7 +31,7 @@ from tests import helpers as h
 from tests.helpers import NOISE_SAMPLES, noise_data, noise_loss, noise_net
 
 K = 4
-WINDOWS = 1500  # the averages' standard errors: about 2.3% of the truth (asserted < 3%)
+WINDOWS = 1000  # the averages' standard errors: 1.7-3.0% of the truth (asserted < 3.5%)
 
 
 def truth() -> tuple[float, float]:
@@ -121,7 +121,7 @@ def check_against_truth(rows: list[tuple[float, float, float]], windows: int) ->
     mean = estimates.mean(dim=0)
     standard_error = estimates.std(dim=0) / math.sqrt(windows)
     for got, error, want in zip(mean.tolist(), standard_error.tolist(), (true_g, true_trace), strict=True):
-        assert error < 0.03 * want  # the average is precise enough to test anything
+        assert error < 0.035 * want  # the average is precise enough to test anything
         assert abs(got - want) < 4 * error, (got, want, error)
     noise_scale = rows[-1][2]  # smoothed over ~20 steps: a trend, checked loosely
     assert 0.3 * true_trace / true_g < noise_scale < 3 * true_trace / true_g
@@ -153,8 +153,8 @@ def test_estimates_match_the_truth_with_unequal_micro_batches_averaged() -> None
 @pytest.mark.slow
 def test_estimates_match_the_truth_across_two_ddp_processes(tmp_path: Path) -> None:
     out = tmp_path / "rows.pt"
-    fit([4], windows=WINDOWS // 3, strategy="ddp_spawn", devices=2, out=out)
-    check_against_truth(torch.load(out), WINDOWS // 3)
+    fit([4], windows=500, strategy="ddp_spawn", devices=2, out=out)  # 500 per rank
+    check_against_truth(torch.load(out), 500)
 
 
 # -------------------------------------------------------------------------- refused, warned about, saved

@@ -106,13 +106,20 @@ def test_a_resume_inside_a_window_of_a_keyed_schedule_runs_it_with_its_own_k(
 @pytest.mark.slow
 def test_a_resume_inside_a_window_of_a_keyed_schedule_on_two_ddp_ranks(tmp_path: Path) -> None:
     """As on one device, with the window summed over the ranks in the checkpoint and restored on rank 0
-    (with the noise scale's totals of the window, summed likewise: its estimate goes on)."""
+    (with the noise scale's totals of the window, summed likewise: its estimate goes on); weighted by items
+    and clipped. Only rank 0 writes the checkpoint: it stores the window summed over ranks, the others
+    restart at 0."""
     data = h.regression_data(80)  # 10 micro-batches of 4 per rank: micro-batch i is rows [8i, 8i + 8)
     schedule = {0: 2, 2: 3}
 
     def callback() -> GradientAccumulationCallback:
         return GradientAccumulationCallback(
-            schedule, schedule_unit="steps", lr_scaling="sqrt", noise_scale=True
+            schedule,
+            schedule_unit="steps",
+            lr_scaling="sqrt",
+            noise_scale=True,
+            scaling="weighted",
+            max_grad_norm=0.5,
         )
 
     path = tmp_path / "mid.ckpt"
@@ -131,6 +138,7 @@ def test_a_resume_inside_a_window_of_a_keyed_schedule_on_two_ddp_ranks(tmp_path:
         [window for window, _ in keyed],
         h.mse,
         lr_factors=[(k / 2) ** 0.5 for _, k in keyed],
+        max_grad_norm=0.5,
     )
     assert h.max_abs_diff(resumed.net, expected) < 1e-6
     assert float(trainer.callback_metrics["grad_accum/windows"]) == len(keyed)
