@@ -1,4 +1,7 @@
-"""Tiny runs of ``python -m benchmarks --quick`` and ``benchmarks.hook_cost``: the code keeps working."""
+"""Tiny runs of ``python -m benchmarks --quick`` and ``benchmarks.hook_cost``: the code keeps working.
+
+Both run in one child process (each would import torch and Lightning again), as their command lines do.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +11,25 @@ from pathlib import Path
 
 from tests.helpers import ROOT
 
+BOTH = """
+import runpy, sys
+sys.argv = ["benchmarks", "--quick", "--only", *{sections!r}, "--out", {out!r}]
+runpy.run_module("benchmarks", run_name="__main__")
+print("=== hook_cost ===", flush=True)
+sys.argv = ["benchmarks.hook_cost", "--quick", "--ks", "2"]
+runpy.run_module("benchmarks.hook_cost", run_name="__main__")
+"""
 
-def test_benchmarks_run_tiny_and_write_a_report(tmp_path: Path) -> None:
+
+def test_benchmarks_and_the_hook_cost_run_tiny_and_report(tmp_path: Path) -> None:
     out = tmp_path / "report.md"
     # every section but "memory", whose fresh-process measurement "gradient-memory" runs as well (the suite's
     # time: each of those processes imports torch and Lightning)
     sections = ["throughput", "boundary", "gradient-memory", "syncs", "operators", "sharded", "auto-batch"]
-    command = [sys.executable, "-m", "benchmarks", "--quick", "--only", *sections, "--out", str(out)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    script = BOTH.format(sections=sections, out=str(out))
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = out.read_text()
     headings = ("Time per micro-batch", "boundary pass", "Peak gradient memory", "Host syncs")
@@ -25,16 +39,11 @@ def test_benchmarks_run_tiny_and_write_a_report(tmp_path: Path) -> None:
     assert "nan" not in report.lower()
     sync_rows = [line for line in report.splitlines() if line.startswith("| callback")][-3:]
     assert all(line.split("|")[2].strip() == "0" for line in sync_rows)  # no sync while accumulating
-
-
-def test_hook_cost_runs_tiny() -> None:
-    command = [sys.executable, "-m", "benchmarks.hook_cost", "--quick", "--ks", "2"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    hook_cost = result.stdout.split("=== hook_cost ===", 1)[1]
     for heading in (
         "K=2: time per micro-batch",
         "K=2: µs per micro-batch inside each hook",
         "_call_callback_hooks",
     ):
-        assert heading in result.stdout
-    assert "nan" not in result.stdout.lower()
+        assert heading in hook_cost
+    assert "nan" not in hook_cost.lower()

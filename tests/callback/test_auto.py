@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightning_gradacc import GradientAccumulationCallback, estimated_stepping_batches
+from lightning_gradacc import GradAccumulator, GradientAccumulationCallback, estimated_stepping_batches
 from lightning_gradacc.k_policies import AutoK, AutoSettings, WindowFacts
 from tests import helpers as h
 from tests.callback.test_noise_scale import FixedModel, truth
@@ -205,8 +205,8 @@ class SteppedWindows(pl.Callback):
 
     def __init__(self, out: Path | None = None) -> None:
         self.out = out
-        self.rows: list[tuple[int, int]] = []  # (batch_idx, global_step after it)
         self.windows: list[list[int]] = []
+        self.estimates: list[tuple[float, float]] = []  # each step's |G|² and tr(Σ) (a read: with `out`)
         self._open: list[int] = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -218,12 +218,19 @@ class SteppedWindows(pl.Callback):
         if trainer.global_step != self._step:
             self.windows.append(self._open)
             self._open, self._step = [], trainer.global_step
+            if self.out is not None:
+                stats = self._callback(trainer).stats
+                self.estimates.append((stats.grad_sq_norm_estimate, stats.trace_sigma_estimate))
+
+    @staticmethod
+    def _callback(trainer: pl.Trainer) -> GradientAccumulationCallback:
+        return next(c for c in trainer.callbacks if isinstance(c, GradientAccumulationCallback))  # type: ignore[attr-defined]
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.out is not None:
-            callback = next(c for c in trainer.callbacks if isinstance(c, GradientAccumulationCallback))  # type: ignore[attr-defined]
-            trajectory = callback.plan.run.trajectory
-            torch.save((self.windows, trajectory), self.out / f"windows-{trainer.global_rank}.pt")
+            trajectory = self._callback(trainer).plan.run.trajectory
+            saved = (self.windows, trajectory, self.estimates)
+            torch.save(saved, self.out / f"windows-{trainer.global_rank}.pt")
 
 
 def auto_callback(**auto: Any) -> GradientAccumulationCallback:
@@ -298,7 +305,7 @@ def test_two_ddp_ranks_decide_the_same_goodput_k_from_their_summed_times(tmp_pat
     trainer = h.ddp_trainer(callback, SteppedWindows(tmp_path), max_epochs=EPOCHS, strategy=strategy)
     module = Timed(h.regression_data(2 * SAMPLES), lr=0.05)
     trainer.fit(module)
-    (windows, trajectory), (other, other_trajectory) = (
+    (windows, trajectory, estimates), (other, other_trajectory, _) = (
         torch.load(tmp_path / f"windows-{rank}.pt") for rank in range(2)
     )
     assert windows == other and trajectory == other_trajectory
@@ -307,6 +314,21 @@ def test_two_ddp_ranks_decide_the_same_goodput_k_from_their_summed_times(tmp_pat
         h.regression_net(), h.regression_data(2 * SAMPLES), 8, windows, h.mse, lr=0.05
     )
     assert h.max_abs_diff(module.net, expected) < 1e-6  # ddp_spawn brings rank 0's weights back
+    # the estimates the rule read: those of one process holding both ranks' micro-batches in its window
+    # (rank r's micro-batch b: rows r, r + 2, ... of rows [8b, 8b + 8))
+    net = h.regression_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    x, y = h.regression_data(2 * SAMPLES).tensors
+    for window, found in zip(windows, estimates, strict=True):
+        accumulator = GradAccumulator(net.named_parameters(), 2 * len(window), noise_scale=True)
+        for rank in range(2):
+            for b in window:
+                rows = slice(8 * b + rank, 8 * b + 8, 2)
+                accumulator.backward(h.mse(net, x[rows], y[rows]), items=4)
+        accumulator.step(optimizer)
+        accumulator.remove_hooks()
+        wanted = (accumulator.stats.grad_sq_norm_estimate, accumulator.stats.trace_sigma_estimate)
+        assert found == pytest.approx(wanted, rel=1e-4, abs=1e-9), (found, wanted)
 
 
 def test_goodput_refuses_to_start_where_it_cannot_time_an_accumulating_micro_batch() -> None:

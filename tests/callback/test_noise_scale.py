@@ -4,8 +4,9 @@ A fixed model (learning rate 0: the parameters never move) on a finite data set 
 its per-sample gradients, computed exactly with ``torch.func``, give the true |G|² (the squared norm of
 their mean) and tr(Σ) (their summed variance). The per-step estimates of a real ``Trainer.fit``, averaged
 over many windows, must match them within 4 standard errors of that average, which itself is at most a
-few percent of the truth: with K micro-batches on one process, with 2 DDP processes, and with micro-batches
-of unequal sizes weighted by their items.
+few percent of the truth: with K micro-batches on one process, and with micro-batches of unequal sizes
+weighted by their items or averaged. (Under DDP and FSDP2 the estimates equal those of one process holding
+every rank's micro-batches: ``tests/callback/test_auto.py``, ``tests/distributed/test_model_parallel.py``.)
 
 Also what the callback refuses and warns about, the averages across a checkpoint, a parameter group added at
 an epoch start, and Lightning's own callbacks combined with it (the same parameters, bit for bit).
@@ -148,13 +149,6 @@ def test_estimates_match_the_truth_with_unequal_micro_batches_averaged() -> None
     """``"mean"`` over unequal micro-batches: the window's weights are 1/n, not the items'."""
     # micro-batches of 2 items count as much as those of 7: a noisier estimate, twice the windows
     check_against_truth(fit([2, 3, 7], windows=2 * WINDOWS).rows, 2 * WINDOWS)
-
-
-@pytest.mark.slow
-def test_estimates_match_the_truth_across_two_ddp_processes(tmp_path: Path) -> None:
-    out = tmp_path / "rows.pt"
-    fit([4], windows=500, strategy="ddp_spawn", devices=2, out=out)  # 500 per rank
-    check_against_truth(torch.load(out), 500)
 
 
 # -------------------------------------------------------------------------- refused, warned about, saved

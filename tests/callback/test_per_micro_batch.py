@@ -187,21 +187,6 @@ def test_ddp_clip_per_micro_batch_under_16_mixed_clips_every_micro_batch_of_ever
     assert float(trainer.callback_metrics["grad_accum/skipped_steps"]) == 0
 
 
-@pytest.mark.slow
-def test_ddp_skip_micro_batch_drops_a_non_finite_last_micro_batch_alone() -> None:
-    data = h.regression_data(40)  # windows of micro-batches 0-1, 2-3, 4
-    module = h.RegressionModule(data, nan_at=[3], nan_rank=0)  # only rank 0, the last of window 1
-    callback = GradientAccumulationCallback(2, overflow="skip_micro_batch", accumulation_dtype="float64")
-    trainer = ddp_trainer(callback)
-    trainer.fit(module)
-    expected = per_micro_batch_reference(data, h.windows(5, 2), world=WORLD, drop=[3])
-    assert h.max_abs_diff(module.net, expected) < 1e-6
-    metrics = trainer.callback_metrics
-    assert float(metrics["grad_accum/dropped_micro_batches"]) == 1
-    assert float(metrics["grad_accum/skipped_steps"]) == 0
-    assert float(metrics["grad_accum/windows"]) == 3
-
-
 class SecondBranchOnRankOne(h.RegressionModule):
     """`a(x)` on every rank, plus `b(x)` on rank 1 only: `b` has a gradient on one rank and not the other in
     every window."""
@@ -221,19 +206,17 @@ class SecondBranchOnRankOne(h.RegressionModule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "mode",
-    [{"clip_mode": "micro_batch", "max_grad_norm": 100.0}, {"overflow": "skip_micro_batch"}],
-    ids=["clip_micro_batch", "skip_micro_batch"],
-)
-def test_ddp_per_micro_batch_averages_a_parameter_that_only_one_rank_used(mode: dict[str, object]) -> None:
+def test_ddp_per_micro_batch_averages_a_parameter_that_only_one_rank_used() -> None:
     """Under the per-micro-batch modes the core averages the buffers over the ranks itself: which parameters
     take part must be decided over all ranks (`b` holds a gradient on rank 1 only, and is averaged with rank
     0's zeros, as DDP would). Oracle: plain PyTorch, each rank's micro-batch gradients summed, divided by
     the micro-batches of all ranks."""
     data = h.regression_data(40)  # 5 micro-batches of 4 per rank; K=2: windows 2, 2, 1
     module = SecondBranchOnRankOne(data)
-    callback = GradientAccumulationCallback(2, accumulation_dtype="float64", **mode)  # type: ignore[arg-type]
+    # one mode (`skip_micro_batch` takes the same path: `reduce_gradients`)
+    callback = GradientAccumulationCallback(
+        2, accumulation_dtype="float64", clip_mode="micro_batch", max_grad_norm=100.0
+    )
     ddp_trainer(callback).fit(module)
     torch.manual_seed(1)
     a, b = torch.nn.Linear(5, 1), torch.nn.Linear(5, 1)

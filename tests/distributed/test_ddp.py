@@ -36,21 +36,6 @@ def test_ddp_mean_with_partial_window_matches_single_process_big_batch() -> None
     assert float(metrics["grad_accum/windows"]) == 3
 
 
-def test_ddp_weighted_uneven_tokens_per_rank_matches_single_process_big_batch() -> None:
-    data = h.token_data(24)  # 6 micro-batches of 2 sequences per rank; K=4: windows 4, 2
-    module = h.TokenModule(data)
-    callback = GradientAccumulationCallback(4, scaling="weighted", item_count_fn=h.count_tokens)
-    trainer = ddp_trainer(callback)
-    trainer.fit(module)
-    expected = h.big_batch_reference(h.token_net(), data, 2 * WORLD, h.windows(6, 4), h.token_loss, lr=0.5)
-    assert h.max_abs_diff(module.net, expected) < 1e-6
-    tokens_last_window = int((data.tensors[1][16:] != h.IGNORE_INDEX).sum())
-    assert float(trainer.callback_metrics["grad_accum/items_last_step"]) == tokens_last_window
-    # the per-rank token counts really are uneven in these windows
-    per_rank = [int((data.tensors[1][rank::WORLD] != h.IGNORE_INDEX).sum()) for rank in range(WORLD)]
-    assert per_rank[0] != per_rank[1]
-
-
 def counted_fit(make_callbacks: Any, **kwargs: object) -> tuple[pl.Trainer, h.RegressionModule]:
     """Fit with DDP's communication counted by a Python comm hook.
 
@@ -119,19 +104,6 @@ def test_ddp_find_unused_parameters_with_buffers_averages_a_parameter_unused_by_
     assert h.max_abs_diff(module, reference) < 1e-6
 
 
-def test_ddp_skip_micro_batch_is_decided_the_same_on_every_rank() -> None:
-    data = h.regression_data(40)  # windows of micro-batches 0-1, 2-3, 4
-    module = h.RegressionModule(data, nan_at=[2], nan_rank=0)  # only rank 0 sees nan, in window 1
-    callback = GradientAccumulationCallback(2, overflow="skip_micro_batch", accumulation_dtype="float64")
-    trainer = ddp_trainer(callback)
-    trainer.fit(module)
-    expected = h.big_batch_reference(h.regression_net(), data, 4 * WORLD, [[0, 1], [3], [4]], h.mse)
-    assert h.max_abs_diff(module.net, expected) < 1e-6
-    assert float(trainer.callback_metrics["grad_accum/dropped_micro_batches"]) == 1
-    assert float(trainer.callback_metrics["grad_accum/non_finite_windows"]) == 0
-    assert float(trainer.callback_metrics["grad_accum/items_last_step"]) == 8
-
-
 class BarrierCounter(pl.Callback):
     """Counts `torch.distributed.barrier` calls inside training batches and logs them (read in the parent)."""
 
@@ -156,18 +128,29 @@ class BarrierCounter(pl.Callback):
         pl_module.log("barriers", float(self.calls), on_step=True, on_epoch=False, batch_size=1)
 
 
-def test_ddp_boundary_adds_no_barrier() -> None:
-    """The window's counts are all-reduced without Lightning's `strategy.reduce`, which adds a barrier."""
-    data = h.regression_data(40)
+def test_ddp_skip_micro_batch_drops_one_rank_s_non_finite_micro_batch_on_every_rank_without_a_barrier() -> (
+    None
+):
+    """Rank 0's micro-batch is `nan` at the start of window 1 in epoch 0 (micro-batch 2) and at its end in
+    epoch 1 (micro-batch 3): on both ranks only that micro-batch is dropped, and the others step, normalized
+    by the items left. The window's counts are all-reduced without Lightning's `strategy.reduce`, which adds
+    a barrier."""
+    data = h.regression_data(40)  # 5 micro-batches of 4 per rank; K=2: windows 0-1, 2-3, 4
+    module = h.RegressionModule(data, nan_at=[2, 8], nan_rank=0)  # global micro-batches 2 and 5 + 3
     callback = GradientAccumulationCallback(
         2, scaling="weighted", overflow="skip_micro_batch", accumulation_dtype="float64"
     )
-    trainer = ddp_trainer(callback, BarrierCounter())
-    module = h.RegressionModule(data)
+    trainer = ddp_trainer(callback, BarrierCounter(), max_epochs=2)
     trainer.fit(module)
-    assert float(trainer.callback_metrics["barriers"]) == 0
-    expected = h.big_batch_reference(h.regression_net(), data, 4 * WORLD, h.windows(5, 2), h.mse)
+    windows = [[0, 1], [3], [4], [0, 1], [2], [4]]
+    expected = h.big_batch_reference(h.regression_net(), data, 4 * WORLD, windows, h.mse)
     assert h.max_abs_diff(module.net, expected) < 1e-6
+    metrics = trainer.callback_metrics
+    assert float(metrics["grad_accum/dropped_micro_batches"]) == 2
+    assert float(metrics["grad_accum/skipped_steps"]) == float(metrics["grad_accum/non_finite_windows"]) == 0
+    assert float(metrics["grad_accum/windows"]) == 6
+    assert float(metrics["grad_accum/items_last_step"]) == 8
+    assert float(metrics["barriers"]) == 0
 
 
 SENTINEL = 999.0
@@ -260,7 +243,8 @@ def test_ddp_token_keyed_schedule_matches_the_big_batch_of_each_window() -> None
         schedule, schedule_unit="items", scaling="weighted", item_count_fn=h.count_tokens
     )
     module = h.TokenModule(data)
-    ddp_trainer(callback).fit(module)
+    trainer = ddp_trainer(callback)
+    trainer.fit(module)
     # micro-batch i of both ranks together is rows [4i, 4i+4): its tokens decide the next window's K
     tokens = [int((data.tensors[1][4 * i : 4 * i + 4] != h.IGNORE_INDEX).sum()) for i in range(6)]
     windows, start, consumed = [], 0, 0
@@ -273,3 +257,10 @@ def test_ddp_token_keyed_schedule_matches_the_big_batch_of_each_window() -> None
     assert len({len(w) for w in windows}) > 1  # the schedule changes K inside the epoch
     expected = h.big_batch_reference(h.token_net(), data, 2 * WORLD, windows, h.token_loss, lr=0.5)
     assert h.max_abs_diff(module.net, expected) < 1e-6
+    last_rows = data.tensors[1][4 * windows[-1][0] :]  # the last window's tokens, over both ranks
+    assert float(trainer.callback_metrics["grad_accum/items_last_step"]) == int(
+        (last_rows != h.IGNORE_INDEX).sum()
+    )
+    # the per-rank token counts really are uneven
+    per_rank = [int((data.tensors[1][rank::WORLD] != h.IGNORE_INDEX).sum()) for rank in range(WORLD)]
+    assert per_rank[0] != per_rank[1]
