@@ -479,10 +479,8 @@ class GradientAccumulationLogic(_LogicBase):
             if self._stepped_on_device and logged:  # skipped on the device: counted at this read
                 skipped = int(logged["grad_accum/skipped_steps"])
                 self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)
-        elif self.log_stats:  # `callback_metrics` at every step, without a host read of their own
-            update_between_logs(
-                trainer, self._accumulator, self.settings.noise_scale, self.plan, self._monitored
-            )
+        elif self.log_stats and self._monitored:  # `callback_metrics` at every step for a monitor
+            update_between_logs(trainer, self._accumulator, self.settings.noise_scale, self.plan)
 
     def metrics(self) -> dict[str, float]:
         """The scalars logged under ``grad_accum/`` (:func:`~lightning_gradacc.reporting.step_metrics`)."""
@@ -521,6 +519,8 @@ class GradientAccumulationLogic(_LogicBase):
             self._accumulator.reset(set_grads_to_none=True)
         if self._accumulator is not None:
             self._accumulator.remove_hooks()
+            if self.log_stats:  # the last statistics, also where no logging step came (a short run)
+                update_between_logs(trainer, self._accumulator, self.settings.noise_scale, self.plan)
             if self._stepped_on_device:  # the last steps' skips, and invalid counts held on the device
                 skipped = self._accumulator.stats.skipped_steps
                 self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)

@@ -664,11 +664,6 @@ class GradAccumulator:
         ridden = self._end.ridden
         return [float(v) for v in (ridden.tolist() if isinstance(ridden, Tensor) else ridden)]
 
-    @property
-    def statistics_on_host(self) -> bool:
-        """Whether every closed window's statistics are on the host (reading :attr:`stats` costs no sync)."""
-        return self._statistics.fresh
-
     def statistic(self, name: str) -> float:
         """One statistic of :attr:`stats` by name, on the host (syncs if the step did not, nothing else)."""
         return self._statistics.value(name)

@@ -487,11 +487,6 @@ class RunStatistics:
         """
         self._ledger.hold_check(invalid, message)
 
-    @property
-    def fresh(self) -> bool:
-        """Whether every closed window's statistics are on the host (reading them costs no sync)."""
-        return self._ledger.fresh
-
     def value(self, name: str) -> float:
         """One statistic or counter on the host (syncs once if windows wait on the device).
 
