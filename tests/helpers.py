@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,8 @@ import pytest
 import pytorch_lightning as pl
 import pytorch_lightning.strategies.launchers.multiprocessing as pl_launchers
 import torch
-from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch import Tensor, func, nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from lightning_gradacc import GradAccumulator
 from lightning_gradacc.callback import GradientAccumulationLogic
@@ -570,6 +570,97 @@ def noise_net() -> nn.Module:
 
 def noise_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return 0.5 * (net(x) - y).pow(2).mean()  # a mean over the micro-batch's items
+
+
+def noise_truth() -> tuple[float, float]:
+    """|G|² and tr(Σ) of the per-sample gradients of the whole data set (sampling with replacement)."""
+    net = noise_net()
+    x, y = noise_data().tensors
+    params = {name: p.detach() for name, p in net.named_parameters()}
+
+    def one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (func.functional_call(net, p, (xi[None],)) - yi[None]).pow(2).sum()
+
+    per_sample = func.vmap(func.grad(one), in_dims=(None, 0, 0))(params, x, y)
+    flat = torch.cat([g.reshape(NOISE_SAMPLES, -1) for g in per_sample.values()], dim=1).double()
+    mean = flat.mean(dim=0)
+    return float(mean @ mean), float((flat - mean).pow(2).sum(dim=1).mean())
+
+
+class ReplacementBatches(Sampler[list[int]]):
+    """Micro-batches of the given sizes (cycled), each drawn with replacement: i.i.d. samples."""
+
+    def __init__(self, sizes: list[int], batches: int, seed: int) -> None:
+        self.sizes, self.batches, self.seed = sizes, batches, seed
+        self.sampler = self  # Lightning calls `batch_sampler.sampler.set_epoch` at each epoch
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls it: other samples in another epoch
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        generator = torch.Generator().manual_seed(self.seed + 1000 * getattr(self, "epoch", 0))
+        for index in range(self.batches):
+            size = self.sizes[index % len(self.sizes)]
+            yield torch.randint(0, NOISE_SAMPLES, (size,), generator=generator).tolist()
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+class FixedModel(pl.LightningModule):
+    """``noise_net`` at learning rate 0 (it never moves) on micro-batches drawn with replacement:
+    ``windows`` x ``k`` micro-batches of the ``sizes`` (cycled)."""
+
+    def __init__(self, sizes: list[int], windows: int, k: int = 4) -> None:
+        super().__init__()
+        self.net = noise_net()
+        self.sizes, self.windows, self.k = sizes, windows, k
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return noise_loss(self.net, *batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = ReplacementBatches(self.sizes, self.k * self.windows, seed=1 + self.global_rank)
+        return DataLoader(noise_data(), batch_sampler=sampler)
+
+
+class SteppedWindows(pl.Callback):
+    """Which micro-batches each optimizer step took, read from the Trainer after every batch.
+
+    ``out``: where each rank saves them (``windows-{rank}.pt``) with the controller's trajectory.
+    """
+
+    def __init__(self, out: Path | None = None) -> None:
+        self.out = out
+        self.windows: list[list[int]] = []
+        self.estimates: list[tuple[float, float]] = []  # each step's |G|² and tr(Σ) (a read: with `out`)
+        self._open: list[int] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._open, self._step = [], trainer.global_step  # a fit interrupted in a window stepped none of it
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        batch_idx = args[-1]
+        self._open.append(batch_idx)
+        if trainer.global_step != self._step:
+            self.windows.append(self._open)
+            self._open, self._step = [], trainer.global_step
+            if self.out is not None:
+                stats = self._callback(trainer).stats
+                self.estimates.append((stats.grad_sq_norm_estimate, stats.trace_sigma_estimate))
+
+    @staticmethod
+    def _callback(trainer: pl.Trainer) -> GradientAccumulationLogic:
+        return next(c for c in trainer.callbacks if isinstance(c, GradientAccumulationLogic))  # type: ignore[attr-defined]
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.out is not None:
+            trajectory = self._callback(trainer).plan.run.trajectory
+            saved = (self.windows, trajectory, self.estimates)
+            torch.save(saved, self.out / f"windows-{trainer.global_rank}.pt")
 
 
 # -------------------------------------------------------------------------------------- preemption

@@ -85,6 +85,7 @@ def _two_processes(fabric: L.Fabric, folder: Path) -> None:
         torch.save(result, folder / "result.pt")
 
 
+@pytest.mark.slow
 def test_two_ddp_processes_equal_the_big_batch_and_resume_inside_a_window(tmp_path: Path) -> None:
     recipe.fabric_for(2).launch(_two_processes, tmp_path)
     uninterrupted, resumed, windows, all_reduces = torch.load(tmp_path / "result.pt")

@@ -28,7 +28,7 @@ from lightning_gradacc.counters import count_predicted_tokens
 from lightning_gradacc.lightning import GradientAccumulationCallback
 from tests.helpers import ROOT
 
-pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")]
 EPOCHS = 3
 PEAK, TOTAL, WARMUP, FINAL = 1e-3, 40_000, 2_000, 0.1
 

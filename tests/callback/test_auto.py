@@ -30,7 +30,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from lightning_gradacc import GradAccumulator, GradientAccumulationCallback, estimated_stepping_batches
 from lightning_gradacc.k_policies import AutoK, AutoSettings, WindowFacts
 from tests import helpers as h
-from tests.callback.test_noise_scale import FixedModel, truth
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
@@ -197,42 +196,6 @@ def test_step_counts_are_unknown_before_an_auto_run_and_the_most_it_can_take_is_
 # ------------------------------------------------------------------------------- through Trainer.fit
 
 
-class SteppedWindows(pl.Callback):
-    """Which micro-batches each optimizer step took, read from the Trainer after every batch.
-
-    ``out``: where each rank saves them (``windows-{rank}.pt``) with the controller's trajectory.
-    """
-
-    def __init__(self, out: Path | None = None) -> None:
-        self.out = out
-        self.windows: list[list[int]] = []
-        self.estimates: list[tuple[float, float]] = []  # each step's |G|² and tr(Σ) (a read: with `out`)
-        self._open: list[int] = []
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._open, self._step = [], trainer.global_step  # a fit interrupted in a window stepped none of it
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        batch_idx = args[-1]
-        self._open.append(batch_idx)
-        if trainer.global_step != self._step:
-            self.windows.append(self._open)
-            self._open, self._step = [], trainer.global_step
-            if self.out is not None:
-                stats = self._callback(trainer).stats
-                self.estimates.append((stats.grad_sq_norm_estimate, stats.trace_sigma_estimate))
-
-    @staticmethod
-    def _callback(trainer: pl.Trainer) -> GradientAccumulationCallback:
-        return next(c for c in trainer.callbacks if isinstance(c, GradientAccumulationCallback))  # type: ignore[attr-defined]
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.out is not None:
-            trajectory = self._callback(trainer).plan.run.trajectory
-            saved = (self.windows, trajectory, self.estimates)
-            torch.save(saved, self.out / f"windows-{trainer.global_rank}.pt")
-
-
 def auto_callback(**auto: Any) -> GradientAccumulationCallback:
     return GradientAccumulationCallback("auto", auto=AutoSettings(**{**AUTO, **auto}))
 
@@ -242,7 +205,7 @@ def test_the_windows_of_an_auto_run_replay_as_fixed_windows() -> None:
     its samples as one batch. Each step logs its K, the rule's target and the estimate; the summary shows
     the trajectory."""
     module = h.RegressionModule(h.regression_data(SAMPLES), lr=0.05)
-    recorder, windows, callback = h.MetricsRecorder(), SteppedWindows(), auto_callback()
+    recorder, windows, callback = h.MetricsRecorder(), h.SteppedWindows(), auto_callback()
     h.fit(module, callback, windows, max_epochs=EPOCHS, logger=recorder, log_every_n_steps=1)
     sizes = [len(window) for window in windows.windows]
     assert sizes[0] == 2 and len(set(sizes) - {max(sizes)} - {2}) >= 1 and max(sizes) >= 4
@@ -266,7 +229,7 @@ def test_a_token_weighted_auto_run_replays_as_fixed_windows() -> None:
     window is the mean over all of its tokens."""
     data = h.token_data(96, seed=3)
     module = h.TokenModule(data)
-    windows = SteppedWindows()
+    windows = h.SteppedWindows()
     callback = GradientAccumulationCallback(
         "auto", scaling="weighted", item_count_fn=h.count_tokens, auto=AutoSettings(budget=0.5, **AUTO)
     )
@@ -296,13 +259,14 @@ class Timed(h.RegressionModule):
         FAKE_NOW[0] += 12.0
 
 
+@pytest.mark.slow
 def test_two_ddp_ranks_decide_the_same_goodput_k_from_their_summed_times(tmp_path: Path) -> None:
     """t_micro = 1.25 s (both ranks), t_step = 12 s; K* = sqrt(12 B / (1.25 x 8)) for micro-batches of 4
     on 2 ranks. The windows replay as one big batch of both ranks' samples."""
     callback = auto_callback(rule="goodput", clock=FakeClock())
     # ranks that decided differently would wait on each other's collectives: fail in 60 s, not gloo's 30 min
     strategy = h.SpawnStrategy(timeout=datetime.timedelta(seconds=60))
-    trainer = h.ddp_trainer(callback, SteppedWindows(tmp_path), max_epochs=EPOCHS, strategy=strategy)
+    trainer = h.ddp_trainer(callback, h.SteppedWindows(tmp_path), max_epochs=EPOCHS, strategy=strategy)
     module = Timed(h.regression_data(2 * SAMPLES), lr=0.05)
     trainer.fit(module)
     (windows, trajectory, estimates), (other, other_trajectory, _) = (
@@ -349,7 +313,7 @@ def test_every_target_is_the_rule_applied_to_an_estimate_near_the_exact_noise_sc
     (patience 1, falling too, no rounding to powers of two); every target is the rule applied to the
     estimate it was decided from, and every such estimate lies within 4 of the estimator's standard
     deviations of the exact B_noise (the deviation itself under 20% of it, the mean within 10%)."""
-    true_g, true_trace = truth()
+    true_g, true_trace = h.noise_truth()
     exact = true_trace / true_g
     settings = AutoSettings(patience=1, decrease=True, powers_of_two=False, max_k=64)
     recorder = h.MetricsRecorder()
@@ -359,7 +323,7 @@ def test_every_target_is_the_rule_applied_to_an_estimate_near_the_exact_noise_sc
         logger=recorder,
         log_every_n_steps=1,
     )
-    trainer.fit(FixedModel([1], windows=CONTROLLER_BATCHES))
+    trainer.fit(h.FixedModel([1], windows=CONTROLLER_BATCHES))
     targets = [v for _, v in recorder.series("grad_accum/auto_target_k")]
     estimates = [v for _, v in recorder.series("grad_accum/auto_noise_scale")]
     ks = [int(v) for _, v in recorder.series("grad_accum/accumulation_steps")]
@@ -406,7 +370,7 @@ def test_a_resume_inside_a_window_goes_on_as_the_uninterrupted_run_decisions_inc
 
     whole, windows, recorder = (
         StatefulTimed(h.regression_data(SAMPLES), lr=0.05),
-        SteppedWindows(),
+        h.SteppedWindows(),
         h.MetricsRecorder(),
     )
     h.trainer(callbacks=[callback(), windows], max_epochs=EPOCHS, logger=recorder, log_every_n_steps=1).fit(
@@ -434,7 +398,7 @@ def test_a_second_fit_goes_on_from_the_k_the_interrupted_first_one_reached() -> 
     stepped window of both replays as one big batch."""
     module, windows, callback = (
         h.RegressionModule(h.regression_data(SAMPLES), lr=0.05),
-        SteppedWindows(),
+        h.SteppedWindows(),
         auto_callback(),
     )
     with pytest.raises(RuntimeError, match="boom"):

@@ -16,7 +16,6 @@ from lightning_gradacc import GradientAccumulationCallback, TokenSchedule
 from lightning_gradacc.k_policies import AutoSettings
 from lightning_gradacc.lr_schedule import make_schedule
 from tests import helpers as h
-from tests.callback.test_auto import SteppedWindows
 
 SAMPLES = 80  # 20 micro-batches of 4 samples per epoch
 EPOCHS = 3
@@ -80,7 +79,7 @@ def test_the_learning_rate_per_sample_is_the_schedule_s_whatever_k_runs(policy: 
     K=1, of K growing by samples, and of K chosen by "auto": the same function of samples in all three."""
     module, windows, recorder = (
         h.RegressionModule(h.regression_data(SAMPLES), lr=0.2),
-        SteppedWindows(),
+        h.SteppedWindows(),
         h.MetricsRecorder(),
     )
     callback = GradientAccumulationCallback(

@@ -15,7 +15,6 @@ an epoch start, and Lightning's own callbacks combined with it (the same paramet
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,67 +23,14 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import BackboneFinetuning
 from torch import nn
-from torch.func import functional_call, grad, vmap
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
-from tests.helpers import NOISE_SAMPLES, noise_data, noise_loss, noise_net
+from tests.helpers import FixedModel, noise_truth
 
 K = 4
 WINDOWS = 1000  # the averages' standard errors: 1.7-3.0% of the truth (asserted < 3.5%)
-
-
-def truth() -> tuple[float, float]:
-    """|G|² and tr(Σ) of the per-sample gradients of the whole data set (sampling with replacement)."""
-    net = noise_net()
-    x, y = noise_data().tensors
-    params = {name: p.detach() for name, p in net.named_parameters()}
-
-    def one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-        return 0.5 * (functional_call(net, p, (xi[None],)) - yi[None]).pow(2).sum()
-
-    per_sample = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
-    flat = torch.cat([g.reshape(NOISE_SAMPLES, -1) for g in per_sample.values()], dim=1).double()
-    mean = flat.mean(dim=0)
-    return float(mean @ mean), float((flat - mean).pow(2).sum(dim=1).mean())
-
-
-class ReplacementBatches(Sampler[list[int]]):
-    """Micro-batches of the given sizes (cycled), each drawn with replacement: i.i.d. samples."""
-
-    def __init__(self, sizes: list[int], batches: int, seed: int) -> None:
-        self.sizes, self.batches, self.seed = sizes, batches, seed
-        self.sampler = self  # Lightning calls `batch_sampler.sampler.set_epoch` at each epoch
-
-    def set_epoch(self, epoch: int) -> None:  # Lightning calls it: other samples in another epoch
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[list[int]]:
-        generator = torch.Generator().manual_seed(self.seed + 1000 * getattr(self, "epoch", 0))
-        for index in range(self.batches):
-            size = self.sizes[index % len(self.sizes)]
-            yield torch.randint(0, NOISE_SAMPLES, (size,), generator=generator).tolist()
-
-    def __len__(self) -> int:
-        return self.batches
-
-
-class FixedModel(pl.LightningModule):
-    def __init__(self, sizes: list[int], windows: int) -> None:
-        super().__init__()
-        self.net = noise_net()
-        self.sizes, self.windows = sizes, windows
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return noise_loss(self.net, *batch)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.0)
-
-    def train_dataloader(self) -> DataLoader:
-        sampler = ReplacementBatches(self.sizes, K * self.windows, seed=1 + self.global_rank)
-        return DataLoader(noise_data(), batch_sampler=sampler)
 
 
 class Estimates(pl.Callback):
@@ -116,7 +62,7 @@ def fit(sizes: list[int], windows: int, scaling: str = "mean", **trainer_options
 
 
 def check_against_truth(rows: list[tuple[float, float, float]], windows: int) -> None:
-    true_g, true_trace = truth()
+    true_g, true_trace = noise_truth()
     estimates = torch.tensor([row[:2] for row in rows], dtype=torch.float64)
     assert len(estimates) == windows and bool(torch.isfinite(estimates).all())
     mean = estimates.mean(dim=0)
@@ -130,7 +76,7 @@ def check_against_truth(rows: list[tuple[float, float, float]], windows: int) ->
 
 def test_the_truth_is_not_trivial() -> None:
     """The data set's noise scale is of the order of the windows' batch sizes (4 to 32 items)."""
-    true_g, true_trace = truth()
+    true_g, true_trace = noise_truth()
     assert 2 < true_trace / true_g < 50
 
 
