@@ -341,11 +341,6 @@ class GradientAccumulationLogic(_LogicBase):
             )
         self.plan.epoch_start(trainer)
 
-    def _follow_param_groups(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Track a group added or changed since the last look (after every backward and before every step)."""
-        assert self._accumulator is not None
-        self._groups.follow(trainer, pl_module, self._accumulator)
-
     def _discard_window(self, trainer: pl.Trainer, why: str) -> None:
         """Drop an open window that can no longer end in a step: windows never merge."""
         assert self._accumulator is not None
@@ -368,7 +363,7 @@ class GradientAccumulationLogic(_LogicBase):
         assert accumulator is not None
         self._batch = current = _Batch()
         if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
-            self._follow_param_groups(trainer, pl_module)  # window measures the new set from its start
+            self._groups.follow(trainer, pl_module, accumulator)  # window measures the new set from its start
         self.plan.batch_start(trainer)  # a window opening here gets its K
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
         if not internals.backward_skipped(trainer):
@@ -404,11 +399,11 @@ class GradientAccumulationLogic(_LogicBase):
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self._accumulator is not None
-        current = self._batch
+        accumulator, current = self._accumulator, self._batch
+        assert accumulator is not None
         self._sync.after_backward()
-        self._follow_param_groups(trainer, pl_module)
-        self._accumulator.end_micro_batch(reevaluation=current.finalized)
+        self._groups.follow(trainer, pl_module, accumulator)  # a group added or changed since the last look
+        accumulator.end_micro_batch(reevaluation=current.finalized)
         current.recorded = True  # until `on_train_batch_end`: a save now is mid-batch
         current.backward_ran = True
 
@@ -420,7 +415,7 @@ class GradientAccumulationLogic(_LogicBase):
     ) -> None:
         accumulator, current, scaler = self._accumulator, self._batch, self._scaler
         assert accumulator is not None
-        self._follow_param_groups(trainer, pl_module)
+        self._groups.follow(trainer, pl_module, accumulator)
         if not current.backward_ran and not accumulator.window.empty:
             compat.check_window_can_end(self._sync, self.sharded_reduction)
         # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned

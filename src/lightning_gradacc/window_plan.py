@@ -351,13 +351,13 @@ class WindowPlan:
         written when the epoch started and is not written again (another callback may drive Lightning for
         an epoch of its own: ``StochasticWeightAveraging``'s BatchNorm epoch is one window of every batch).
         """
-        position = self.position
+        position, policy = self.position, self._policy
         opens = position.batches_in_window == 0
         self._closed_unstepped = self._closed_unstepped and not opens  # a window skipped took no step
-        if opens and self._policy.per_window:
+        if opens and policy.per_window:
             self.open_window(internals.batches_ready(trainer), trainer)
         position.batches_in_window += 1
-        riders = self._policy.batch_started()  # e.g. the batch times of "auto"'s goodput rule
+        riders = policy.batch_started()  # e.g. the batch times of "auto"'s goodput rule
         if riders is not None and self._accumulator is not None:
             self._accumulator.ride(riders)
         return opens

@@ -226,9 +226,8 @@ class GradAccumulator:
             self._arm_hooks(False)
             self._watch_backward()  # a parameter unfrozen since the last window is hooked now
         # the noise scale hooks only the windows it measures (one in `noise_scale_every`)
-        self._noise.open_window(
-            self._statistics.windows % self.settings.noise_scale_every == 0, self.parameters
-        )
+        measured = self._statistics.windows % self.settings.noise_scale_every == 0
+        self._noise.open_window(measured, self._tracked)
         return Window(buffered=self._buffers is not None, device=self.device, dtype=self._ledger_dtype)
 
     @property

@@ -361,10 +361,10 @@ class NoiseScale:
 
     # ------------------------------------------------------------------- the accumulator's named points
 
-    def open_window(self, measured: bool, params: Sequence[Tensor]) -> None:
-        """A window opens: hook ``params`` if it is measured (one in ``noise_scale_every``), else unhook."""
+    def open_window(self, measured: bool, tracked: TrackedParameters) -> None:
+        """A window opens: hook the parameters if it is measured (one in ``noise_scale_every``), or unhook."""
         if measured:
-            self.watch(params)
+            self.watch(tracked.params)
         else:
             self.remove_hooks()
 
@@ -385,13 +385,13 @@ class NoiseScale:
         else:
             self.record(items, weight, scale())
 
-    def close_window(self, params: Sequence[Tensor]) -> Tensor | None:
+    def close_window(self, tracked: TrackedParameters) -> Tensor | None:
         """The window's :data:`TOTALS` at its boundary (see :meth:`window_totals`).
 
         A window in which a parameter started to require a gradient (a layer unfrozen) is unusable: it had
-        no hook.
+        no hook. ``tracked``, not its list of parameters: without the noise scale nothing reads it.
         """
-        if self.stale(params):
+        if self.stale(tracked.params):
             self._unusable = True
         return self.window_totals()
 
@@ -549,7 +549,7 @@ class NoNoiseScale:
     def load_state_dict(self, state: Any) -> None:
         """Nothing to restore (a saved run's averages are ignored)."""
 
-    def open_window(self, measured: bool, params: Sequence[Tensor]) -> None:
+    def open_window(self, measured: bool, tracked: TrackedParameters) -> None:
         """Nothing to hook."""
 
     def follow(self, params: Sequence[Tensor]) -> None:
@@ -563,7 +563,7 @@ class NoNoiseScale:
     ) -> None:
         """Nothing to record."""
 
-    def close_window(self, params: Sequence[Tensor]) -> Tensor | None:
+    def close_window(self, tracked: TrackedParameters) -> Tensor | None:
         """No totals."""
         return None
 

@@ -253,7 +253,7 @@ class WindowEnd:
         Alone (no all-reduce), the loss totals are computed only if they will be read.
         """
         totals = window.tally.totals(with_loss=all_reduce is not None)
-        noise = self.noise.close_window(self.tracked.params)
+        noise = self.noise.close_window(self.tracked)
         riders: Tensor | list[float] | None = list(self.riders) if self.riders else None
         if all_reduce is not None:  # the declared packet, the riders and the noise scale's totals, one call
             packed = torch.stack(
@@ -283,8 +283,8 @@ class WindowEnd:
         factor = normalization(
             settings.scaling,
             window.micro_batches,
-            dropped=measured["dropped"],
-            weights=measured["weights"],
+            dropped=measured.totals["dropped"],
+            weights=measured.totals["weights"],
             loss_scale=self.scale.loss_scale,
             world_size=world_size,
         )
@@ -313,14 +313,14 @@ class WindowEnd:
         on_device: bool,
     ) -> bool | Tensor:
         """Fold the window into the statistics and say whether the optimizer steps (see :meth:`_verdict`)."""
-        settings, scale = self.settings, self.scale
-        has_items: Flag = measured["weights"] > 0 if self.weighting.weighted else True
-        live = both(decision.finite, measured["dropped"] < window.micro_batches)
+        settings, scale, totals = self.settings, self.scale, measured.totals
+        has_items: Flag = totals["weights"] > 0 if self.weighting.weighted else True
+        live = both(decision.finite, totals["dropped"] < window.micro_batches)
         skips = scale.scaler is not None or settings.overflow in ("skip", "skip_micro_batch")
         gradient_scale = scale.value()
         window_loss: Scalar | Callable[[], Scalar]
-        if measured["loss_sum"] is not None and measured["loss_weight"] is not None:
-            window_loss = mean_loss(measured["loss_sum"], measured["loss_weight"], gradient_scale)
+        if totals["loss_sum"] is not None and totals["loss_weight"] is not None:
+            window_loss = mean_loss(totals["loss_sum"], totals["loss_weight"], gradient_scale)
         else:  # computed only if it is read before the next window closes
 
             def window_loss() -> Scalar:
@@ -329,13 +329,13 @@ class WindowEnd:
         self.statistics.close_window(
             {
                 "non_finite_windows": negate(decision.finite),
-                "dropped_micro_batches": measured["dropped"],
+                "dropped_micro_batches": totals["dropped"],
                 "skipped_steps": both(negate(live), has_items) if skips else False,
                 "empty_windows": negate(has_items),
-                "clipped_steps": either(decision.clipped, measured["micro_clips"] > 0),
+                "clipped_steps": either(decision.clipped, totals["micro_clips"] > 0),
                 "last_grad_norm": decision.norm,
-                "items_last_step": measured["items"],
-                **({"items_last_full_step": measured["items"]} if full else {}),
+                "items_last_step": totals["items"],
+                **({"items_last_full_step": totals["items"]} if full else {}),
                 "window_loss": window_loss,
                 **self.noise.statistics(
                     measured.noise,
@@ -344,18 +344,18 @@ class WindowEnd:
                     factor=factor,
                     micro_batches=window.micro_batches,
                     summed=settings.scaling == "sum",
-                    items=measured["items"],
+                    items=totals["items"],
                 ),
             },
             micro_batches=window.micro_batches,
             reevaluation=reevaluation,
         )
-        self.weighting.rebase(measured["items"], window.micro_batches * world_size)
+        self.weighting.rebase(totals["items"], window.micro_batches * world_size)
         if on_device:
             return self._found_inf(
                 window, live if settings.overflow != "ignore" else True, has_items, measured
             )
-        return self._verdict(window, live, has_items, measured["bad_items"], sums, reevaluation)
+        return self._verdict(window, live, has_items, totals["bad_items"], sums, reevaluation)
 
     def _verdict(
         self, window: Window, live: Flag, has_items: Flag, bad_items: Scalar, sums: _Sums, reevaluation: bool
@@ -381,7 +381,7 @@ class WindowEnd:
         A count known bad on the host raises now (on every rank alike: the counts were summed over ranks);
         one found on the device skips the step and raises at the next read of the statistics.
         """
-        bad_items = measured["bad_items"]
+        bad_items = measured.totals["bad_items"]
         if not isinstance(bad_items, Tensor) and bad_items:
             raise ValueError(self._invalid_count_message(window, int(bad_items)))
         keep = both(live, has_items)
