@@ -1,4 +1,4 @@
-"""Count host-device synchronizations by patching the calls that force one.
+"""Count host-device synchronizations by patching the calls that force one (``CountingCallback``: in hooks).
 
 On a CPU-only machine nothing really synchronizes, so the counter is a proxy: it records every call that
 would block the host on a GPU — reading a value (``item``, ``tolist``, ``bool(t)``, ...), a copy to the CPU
@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_gradacc import GradientAccumulationCallback
 
 SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero")
 SYNC_FUNCTIONS = ((torch, "equal"), (torch, "nonzero"), (dist, "barrier"))
@@ -77,3 +79,35 @@ class SyncCounter:
             yield
         finally:
             self.active = previous
+
+
+class CountingCallback(GradientAccumulationCallback):
+    """Counts sync-forcing tensor calls made inside the callback's hooks."""
+
+    def __init__(self, counter: SyncCounter, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counter = counter
+        self.per_batch: list[tuple[bool, int]] = []  # (stepped, syncs) per micro-batch
+        self._calls_at_start = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._calls_at_start = len(self.counter.calls)
+        with self.counter.counting():
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        with self.counter.counting():
+            super().on_before_backward(trainer, pl_module, loss)
+
+    def on_after_backward(self, trainer, pl_module):
+        with self.counter.counting():
+            super().on_after_backward(trainer, pl_module)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        with self.counter.counting():
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with self.counter.counting():
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.per_batch.append((self._batch.finalized, len(self.counter.calls) - self._calls_at_start))

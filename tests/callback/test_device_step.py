@@ -15,8 +15,7 @@ import torch
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
-from tests.callback.test_host_syncs import CountingCallback
-from tests.syncs import SyncCounter
+from tests.syncs import CountingCallback, SyncCounter
 
 
 def fused_fit(

@@ -15,39 +15,7 @@ import torch
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
 from tests.helpers import cuda_only
-from tests.syncs import SyncCounter
-
-
-class CountingCallback(GradientAccumulationCallback):
-    """Counts sync-forcing tensor calls made inside the callback's hooks."""
-
-    def __init__(self, counter: SyncCounter, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.counter = counter
-        self.per_batch: list[tuple[bool, int]] = []  # (stepped, syncs) per micro-batch
-        self._calls_at_start = 0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._calls_at_start = len(self.counter.calls)
-        with self.counter.counting():
-            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
-    def on_before_backward(self, trainer, pl_module, loss):
-        with self.counter.counting():
-            super().on_before_backward(trainer, pl_module, loss)
-
-    def on_after_backward(self, trainer, pl_module):
-        with self.counter.counting():
-            super().on_after_backward(trainer, pl_module)
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        with self.counter.counting():
-            super().on_before_optimizer_step(trainer, pl_module, optimizer)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        with self.counter.counting():
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.per_batch.append((self._batch.finalized, len(self.counter.calls) - self._calls_at_start))
+from tests.syncs import CountingCallback, SyncCounter
 
 
 @pytest.mark.parametrize("scaling", ["mean", "weighted"])
