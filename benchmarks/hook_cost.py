@@ -200,9 +200,9 @@ def fit(
     if clock is not None:
         for callback in callbacks:
             probe(callback, clock)
-        for callback in callbacks:  # the statistics, every `log_every_n_steps`
-            if hasattr(callback, "_log_statistics"):
-                clock.wrap(callback, "_log_statistics", "logging")
+        for callback in callbacks:  # the statistics read for the loggers, every `log_every_n_steps`
+            if isinstance(callback, GradientAccumulationCallback):
+                clock.wrap(callback, "metrics", "logging")
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,

@@ -142,6 +142,20 @@ def count(name: str, tally: list[int]) -> None:
     setattr(dist, name, counting)
 
 
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory since it started its program.
+
+    ``ru_maxrss`` survives ``exec`` on Linux: a rank started from a large parent (the benchmark run) would
+    report the parent's peak. ``VmHWM`` belongs to the process's own address space, which ``exec`` replaces.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def main(out: Path, strategy_name: str, mode: str) -> None:
     scattered, reduced = [0, 0], [0, 0]  # bytes, calls
     for name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # FSDP2, FSDP1
@@ -172,7 +186,7 @@ def main(out: Path, strategy_name: str, mode: str) -> None:
         "all_reduces_per_step": reduced[1] / steps,
         "all_reduced_bytes_per_step": reduced[0] / steps,
         "peak_held_gradient_bytes": probe.peak_held,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": peak_resident_bytes(),
         "seconds_per_step": probe.seconds_per_step,
     }
     (out / f"{strategy_name}-{mode}-{trainer.global_rank}.json").write_text(json.dumps(result))
