@@ -694,6 +694,18 @@ class LitSaveAndStop(_SaveAndStop, L.Callback):
     pass
 
 
+class RaiseAfter(pl.Callback):
+    """Raises ``error`` at the end of global micro-batch ``at``: a fit interrupted inside a window."""
+
+    def __init__(self, at: int, error: BaseException) -> None:
+        self.at, self.error, self.seen = at, error, 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.seen == self.at:
+            raise self.error
+        self.seen += 1
+
+
 def preempt(
     model: pl.LightningModule,
     callbacks: list[pl.Callback],

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -403,7 +402,7 @@ def test_a_second_fit_goes_on_from_the_k_the_interrupted_first_one_reached() -> 
     )
     with pytest.raises(RuntimeError, match="boom"):
         h.trainer(
-            callbacks=[callback, windows, RaiseAfter(101, RuntimeError("boom"))], max_epochs=EPOCHS
+            callbacks=[callback, windows, h.RaiseAfter(101, RuntimeError("boom"))], max_epochs=EPOCHS
         ).fit(module)
     reached, first_fit = callback.plan.run.k, len(windows.windows)
     assert reached > 2 and windows._open  # interrupted inside a window, after K changed
@@ -412,15 +411,3 @@ def test_a_second_fit_goes_on_from_the_k_the_interrupted_first_one_reached() -> 
     assert callback.plan.run.trajectory[: len(callback.plan.run.trajectory)][0] == (0, 0.0, 2)
     expected = h.big_batch_reference(h.regression_net(), module.data, 4, windows.windows, h.mse, lr=0.05)
     assert h.max_abs_diff(module.net, expected) < 1e-6
-
-
-class RaiseAfter(pl.Callback):
-    """Raises ``error`` at the end of global micro-batch ``at``."""
-
-    def __init__(self, at: int, error: BaseException) -> None:
-        self.at, self.error, self.seen = at, error, 0
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        if self.seen == self.at:
-            raise self.error
-        self.seen += 1

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -148,18 +147,6 @@ def test_a_resume_inside_a_window_of_a_keyed_schedule_on_two_ddp_ranks(tmp_path:
 # ----------------------------------------------------------- a second fit after a fit interrupted inside one
 
 
-class RaiseAfter(pl.Callback):
-    """Raises ``error`` at the end of global micro-batch ``at`` (inside a window)."""
-
-    def __init__(self, at: int, error: BaseException) -> None:
-        self.at, self.error, self.seen = at, error, 0
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        if self.seen == self.at:
-            raise self.error
-        self.seen += 1
-
-
 @pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()], ids=["exception", "interrupt"])
 def test_a_second_fit_after_a_fit_interrupted_inside_a_window_starts_a_window_of_its_own(
     error: BaseException, sigint_restored: None
@@ -170,7 +157,7 @@ def test_a_second_fit_after_a_fit_interrupted_inside_a_window_starts_a_window_of
     callback = GradientAccumulationCallback({0: 2, 2: 3}, schedule_unit="steps")
     raised = SystemExit if isinstance(error, KeyboardInterrupt) else type(error)  # Lightning: sys.exit(1)
     with pytest.raises(raised):
-        h.trainer(callbacks=[callback, RaiseAfter(5, error)]).fit(h.RegressionModule(h.regression_data(40)))
+        h.trainer(callbacks=[callback, h.RaiseAfter(5, error)]).fit(h.RegressionModule(h.regression_data(40)))
     module, recorder = h.RegressionModule(h.regression_data(40)), h.MetricsRecorder()
     trainer = h.trainer(callbacks=[callback], logger=recorder, log_every_n_steps=1)
     trainer.fit(module)
@@ -351,7 +338,7 @@ def test_every_policy_starts_the_fit_after_an_interrupted_one_with_a_window_of_i
     at = first_transition(policy)
     callback = GradientAccumulationCallback(**POLICIES[policy])
     with pytest.raises(RuntimeError, match="boom"):
-        h.trainer(callbacks=[callback, RaiseAfter(at, RuntimeError("boom"))], max_epochs=EPOCHS).fit(
+        h.trainer(callbacks=[callback, h.RaiseAfter(at, RuntimeError("boom"))], max_epochs=EPOCHS).fit(
             h.RegressionModule(h.regression_data(40))
         )
     module = h.RegressionModule(h.regression_data(40))
