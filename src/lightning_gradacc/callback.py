@@ -39,7 +39,7 @@ from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
 from .reduction import WindowReduction, check_reduction
 from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from here too
 from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
-from .reporting import SkipWarnings, format_summary, monitors_statistics, step_metrics, update_between_logs
+from .reporting import SkipWarnings, format_summary, monitors_statistics, step_metrics
 from .window_plan import WindowPlan
 
 # Type-checked against pytorch_lightning's Callback (both namespaces have the same hooks); a plain mixin at
@@ -474,8 +474,8 @@ class GradientAccumulationLogic(_LogicBase):
             if self._stepped_on_device and logged:  # skipped on the device: counted at this read
                 skipped = int(logged["grad_accum/skipped_steps"])
                 self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)
-        elif self.log_stats and self._monitored:  # `callback_metrics` at every step for a monitor
-            update_between_logs(trainer, self._accumulator, self.settings.noise_scale, self.plan)
+        elif self.log_stats and self._monitored:  # `callback_metrics` at every step for a monitor (0.3 ms)
+            internals.log_step_metrics(trainer, self.metrics(), to_loggers=False)
 
     def metrics(self) -> dict[str, float]:
         """The scalars logged under ``grad_accum/`` (:func:`~lightning_gradacc.reporting.step_metrics`)."""
@@ -515,7 +515,7 @@ class GradientAccumulationLogic(_LogicBase):
         if self._accumulator is not None:
             self._accumulator.remove_hooks()
             if self.log_stats:  # the last statistics, also where no logging step came (a short run)
-                update_between_logs(trainer, self._accumulator, self.settings.noise_scale, self.plan)
+                internals.log_step_metrics(trainer, self.metrics(), to_loggers=False)
             if self._stepped_on_device:  # the last steps' skips, and invalid counts held on the device
                 skipped = self._accumulator.stats.skipped_steps
                 self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)

@@ -116,8 +116,10 @@ def logs_this_step(trainer: pl.Trainer) -> bool:
     return step % every == 0 or bool(trainer.should_stop)
 
 
-def log_step_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+def log_step_metrics(trainer: pl.Trainer, metrics: dict[str, float], *, to_loggers: bool = True) -> None:
     """Hand ``metrics`` to every logger at this step, and to ``callback_metrics`` and ``logged_metrics``.
+
+    ``to_loggers=False``: to ``callback_metrics`` only, as ``self.log`` fills it between logging steps.
 
     As ``callbacks/lr_monitor.py`` logs: ``logger.log_metrics(..., step=_batches_that_stepped)`` of
     ``loops/training_epoch_loop.py``, the step Lightning's own ``self.log`` values of this batch get
@@ -127,7 +129,7 @@ def log_step_metrics(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
     ``ddp_spawn``'s return to the launcher) and ``logged_metrics`` are the dictionaries the logger
     connector keeps (``trainer/connectors/logger_connector/logger_connector.py``), updated in place.
     """
-    if trainer.loggers:
+    if to_loggers and trainer.loggers:
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in trainer.loggers:
             logger.log_metrics(metrics=metrics, step=step)  # as the logger connector calls it

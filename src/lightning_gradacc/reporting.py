@@ -6,8 +6,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from .core import AccumulationStats, GradAccumulator
 
 # Statistics logged under "grad_accum/" with their own names (all but the open window's micro-batches).
@@ -221,16 +219,3 @@ def monitors_statistics(callbacks: list[Any]) -> bool:
     return any(
         str(getattr(callback, "monitor", None) or "").startswith("grad_accum/") for callback in callbacks
     )
-
-
-def update_between_logs(
-    trainer: Any, accumulator: GradAccumulator | None, noise_scale: bool, plan: Any
-) -> None:
-    """Put the statistics into ``trainer.callback_metrics`` between logging steps, as ``self.log`` does.
-
-    A read (a host read where a step was decided on the device, and a snapshot: about 0.3 ms on a CPU), made
-    at every step only when a callback monitors a ``grad_accum/`` key, and at the end of the fit.
-    """
-    if accumulator is not None:
-        metrics = step_metrics(accumulator, noise_scale=noise_scale, plan=plan.metrics())
-        trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
