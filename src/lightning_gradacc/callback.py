@@ -192,7 +192,8 @@ class GradientAccumulationLogic(_LogicBase):
         self._skips = SkipWarnings()
         self._grads_read_before_step = True  # by a hook after this callback's: set at train start
         self._stepped_on_device = False  # a step of this fit was decided on the device
-        self._warned_no_items = self._warned = False  # of counts, once (the labels of "weighted": read once)
+        self._warned_of_counts = False  # a count warning is shown once
+        self._labels_checked = False  # the labels of "weighted" without a counter: read once (a host read)
         self._monitored = False  # a callback monitors a `grad_accum/` key: read the statistics every step
         self._log_dir: str | None = None  # the last fit's logger's, for `summary()`
         self._accumulate_in_backward = True  # buffers filled inside the backward (False: after; benchmarks)
@@ -375,13 +376,12 @@ class GradientAccumulationLogic(_LogicBase):
                 # from the dataloader, which skips every hook): it must not start from the last one's.
                 accumulator.reset(set_grads_to_none=True)
         weighted = self.settings.scaling == "weighted"
-        counted = count_micro_batch(
-            batch, batch_idx, self.item_count_fn, weighted, self._api.extract_batch_size, not self._warned
-        )
+        extract, check_labels = self._api.extract_batch_size, not self._labels_checked
+        counted = count_micro_batch(batch, batch_idx, self.item_count_fn, weighted, extract, check_labels)
         current.items, current.label, current.error = counted.items, counted.label, counted.error
-        self._warned = self._warned or weighted  # the labels were looked at (a host read) or warned of
-        if counted.warning is not None and not self._warned_no_items:
-            self._warned_no_items = self._warned = True
+        self._labels_checked = self._labels_checked or weighted
+        if counted.warning is not None and not self._warned_of_counts:
+            self._warned_of_counts = True
             self._api.rank_zero_warn(counted.warning)
 
     @override
