@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .core.settings import ScheduleUnit, check_choice, check_positive_int, check_schedule
+from .core.settings import ScheduleUnit, check_bool, check_choice, check_positive_int, check_schedule
 
 
 def linear_ramp(
@@ -124,6 +124,10 @@ class KPolicy:
 
     def largest_k(self) -> int | None:
         """The largest K the policy can choose (``None`` while unresolved)."""
+        raise NotImplementedError
+
+    def smallest_k(self) -> int:
+        """The smallest K an adaptive policy can choose in this fit (its most steps are counted at it)."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -411,11 +415,8 @@ class AutoSettings:
                 f"Expected `auto.min_k` <= `auto.start_k` <= `auto.max_k`, but got {self.min_k},"
                 f" {self.start_k}, {self.max_k}."
             )
-        for name in ("powers_of_two", "decrease"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(
-                    f"Expected argument `auto.{name}` to be True or False, but got {getattr(self, name)!r}."
-                )
+        check_bool("auto.powers_of_two", self.powers_of_two)
+        check_bool("auto.decrease", self.decrease)
         if self.clock is not None and not callable(self.clock):
             raise TypeError(f"Expected argument `auto.clock` to be callable, but got {self.clock!r}.")
 

@@ -222,7 +222,7 @@ class WindowPlan:
                     " `callback.items_consumed`, or a scheduler without a step count), or size it for the"
                     " most steps this fit can take: `estimated_stepping_batches(trainer, most=True)`."
                 )
-            policy = FixedK(getattr(policy, "smallest_k")())  # noqa: B009 (the adaptive policy's bound)
+            policy = FixedK(policy.smallest_k())
         with internals.reading_train_data_early(trainer):  # loads the train dataloader if needed
             lightning_estimate = trainer.estimated_stepping_batches
         batches = trainer.num_training_batches
