@@ -244,6 +244,17 @@ def test_a_linear_ramp_is_a_schedule_and_bad_ramps_are_refused() -> None:
         linear_ramp(1, 4, 100, increment=2)
 
 
+def test_a_linear_ramp_with_an_increment_reaches_its_last_k() -> None:
+    """Megatron's ``--rampup-batch-size 2 2 ...`` form: K 2, 4, 6 by steps, the windows those Ks imply."""
+    from lightning_gradacc import linear_ramp
+
+    ramp = linear_ramp(2, 6, 4, increment=2)
+    module, _ = fit(GradientAccumulationCallback(ramp, schedule_unit="steps"), epochs=2)
+    written_out = {0: 2, 2: 4, 4: 6}  # K=2 for steps 0-1, 4 for steps 2-3, 6 from step 4 (the 2nd epoch)
+    reference = h.regression_reference(schedule_windows(written_out, epochs=2))
+    assert h.max_abs_diff(module.net, reference) < 1e-6
+
+
 def test_an_lr_schedule_indexed_by_the_items_consumed() -> None:
     """The documented LambdaLR: a linear warmup over the first 16 samples, read from `items_consumed`."""
     import torch

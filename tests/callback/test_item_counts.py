@@ -94,14 +94,18 @@ def padded(data: Any, rows: list[int]) -> Any:
 def test_micro_batches_and_windows_with_zero_items(counter: Any) -> None:
     # micro-batch 1 (rows 2-3) has no token; window 2 (micro-batches 8-11, rows 16-23) has none at all
     data = padded(h.token_data(), [2, 3, *range(16, 24)])
-    module = h.TokenModule(data)
+    module, recorder = h.TokenModule(data), h.MetricsRecorder()
     callback = GradientAccumulationCallback(4, scaling="weighted", item_count_fn=counter)
-    fit(module, callback)
+    fit(module, callback, logger=recorder, log_every_n_steps=1)
     # the big batch of window 2 has no token: its loss is nan and the reference takes no step either
+    losses: list[float] = []
     expected = h.big_batch_reference(
-        h.token_net(), data, 2, h.windows(12, 4), h.token_loss, lr=0.5, skip_windows=[2]
+        h.token_net(), data, 2, h.windows(12, 4), h.token_loss, lr=0.5, skip_windows=[2], losses=losses
     )
     assert h.max_abs_diff(module.net, expected) < 1e-6
+    # the first window's loss is its tokens' mean: the masked micro-batch's nan weighs nothing
+    logged = [loss for _, loss in recorder.series("grad_accum/window_loss")]
+    assert logged[:2] == pytest.approx(losses[:2], rel=1e-6) and math.isnan(logged[2])
     stats = callback.stats
     assert (stats.empty_windows, stats.skipped_steps, stats.windows) == (1, 0, 3)
     assert math.isnan(callback.metrics()["grad_accum/window_loss"])  # the empty window has no loss

@@ -121,3 +121,35 @@ def test_a_skipped_window_with_the_modules_own_clipping_by_value() -> None:
         if index != 1:
             optimizer.step()
     assert h.max_abs_diff(module.net, net) < 1e-6
+
+
+class HugeGradients(h.RegressionModule):
+    """Two float32 parameters whose window gradients are 3e38 each: every element is finite, but the window's
+    norm (4.2e38) is beyond float32's range, as `torch.linalg.vector_norm` in float32 says (inf)."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(h.regression_data(8), optimizer=optimizer, lr=0.01)
+        self.a, self.b = torch.nn.Parameter(torch.ones(())), torch.nn.Parameter(torch.ones(()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return (self.a + self.b) * 3e38  # Lightning's 1/K and the window's two micro-batches: 3e38 each
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return h.make_optimizer(self.optimizer_name, [self.a, self.b], self.lr)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adam_fused"])
+def test_a_window_norm_beyond_the_dtype_s_range_is_non_finite_on_the_host_and_the_device(
+    optimizer: str,
+) -> None:
+    """The plain reference: float32's own norm of the window's gradients is inf, so the window is skipped;
+    the host path (plain Adam) and the device path (fused Adam) agree."""
+    grads = [torch.tensor(3e38), torch.tensor(3e38)]
+    assert torch.linalg.vector_norm(torch.stack(grads)).isinf()  # what float32 says
+    module = HugeGradients(optimizer)
+    callback = GradientAccumulationCallback(2)
+    with pytest.warns(UserWarning, match="optimizer step was skipped"):
+        h.fit(module, callback)
+    assert (float(module.a), float(module.b)) == (1.0, 1.0)
+    stats = callback.stats
+    assert (stats.skipped_steps, stats.non_finite_windows, stats.windows) == (1, 1, 1)

@@ -254,11 +254,17 @@ def test_resume_with_a_larger_k_continues_the_open_window(tmp_path: Path) -> Non
     saved sum, made with loss/4, is brought to loss/8), then windows of 8 and the rest."""
     path = tmp_path / "k4.ckpt"
     preempt(module("sgd"), [make_callback("weighted")], 5, path)
-    resumed = module("sgd")
+    resumed, recorder = module("sgd"), h.MetricsRecorder()
     callback = GradientAccumulationCallback(8, scaling="weighted")
-    h.trainer(callbacks=[callback], max_epochs=EPOCHS).fit(resumed, ckpt_path=path)
+    h.trainer(callbacks=[callback], max_epochs=EPOCHS, logger=recorder, log_every_n_steps=1).fit(
+        resumed, ckpt_path=path
+    )
     windows = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], list(range(8)), [8, 9]]
-    assert h.max_abs_diff(resumed.net, h.regression_reference(windows, num_samples=38)) < 1e-6
+    losses: list[float] = []  # each window's loss over all its samples, before its step
+    assert h.max_abs_diff(resumed.net, h.regression_reference(windows, num_samples=38, losses=losses)) < 1e-6
+    # the logged loss of the grown window: its saved half (made with loss/4) counts as much as the rest
+    logged = [loss for _, loss in recorder.series("grad_accum/window_loss")]
+    assert logged == pytest.approx(losses[1:], rel=1e-5)
 
 
 def test_resume_with_a_smaller_k_discards_the_saved_window_with_a_warning(tmp_path: Path) -> None:

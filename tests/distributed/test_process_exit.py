@@ -6,6 +6,10 @@ GIL after its collective has completed (to drop a ``Future.then`` callback, or t
 autograd stashes in the thread-local state every work captures during a backward); if the interpreter is
 finalizing by then, CPython ends the thread with ``pthread_exit`` inside a C++ destructor, and the process
 aborts. Lightning leaves gloo process groups, with their threads, alive at exit.
+
+The same script ended by a plain exit crashes (SIGSEGV or SIGABRT) in most runs but not all: whether the
+gloo thread asks for the GIL while the interpreter is finalizing is a race, so it is no test here (a control
+that cannot be made deterministic would fail at random).
 """
 
 from __future__ import annotations
@@ -86,10 +90,3 @@ def test_exit_together_ends_a_process_whose_gloo_thread_still_runs_python() -> N
     result = run("exit_together")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == "work done\n"
-
-
-def test_without_it_the_process_crashes_in_the_interpreters_teardown() -> None:
-    """Control: the hazard is real (torch 2.13, CPython 3.11): SIGABRT from `std::terminate`, or SIGSEGV."""
-    result = run("exit")
-    assert result.returncode < 0, (result.returncode, result.stderr[-3000:])
-    assert result.stdout == "work done\ninterpreter teardown\n"  # the crash comes after the work
