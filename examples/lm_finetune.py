@@ -162,8 +162,12 @@ def accumulation() -> GradientAccumulationCallback:
 
 
 def trainer(root: Path, *callbacks: L.Callback, **options: Any) -> L.Trainer:
-    """A Trainer that logs to TensorBoard under ``root`` and saves a checkpoint when the run is stopped."""
-    checkpoints = root / "checkpoints"
+    """A Trainer that logs to TensorBoard under ``root`` and saves a checkpoint when the run is stopped.
+
+    Its checkpoints go to ``root/lm_finetune/checkpoints`` (the YAML twin's to ``logs/lm_finetune_yaml/``:
+    neither resumes from the other's finished run).
+    """
+    checkpoints = root / "lm_finetune" / "checkpoints"
     return L.Trainer(
         **{
             "max_epochs": 6,
@@ -194,6 +198,9 @@ def main(argv: list[str] | None = None, *callbacks: L.Callback) -> L.Trainer:
     fit = trainer(Path(args.root), *callbacks, max_epochs=args.max_epochs)
     module, data = CausalLM(args.model_name), LineData(model_name=args.model_name)
     fit.fit(module, datamodule=data, ckpt_path=args.ckpt_path)
+    if fit.is_global_zero:
+        callback = next(c for c in fit.callbacks if isinstance(c, GradientAccumulationCallback))
+        print(callback.summary(), flush=True)
     return fit
 
 

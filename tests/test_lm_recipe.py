@@ -130,7 +130,7 @@ def test_a_sigterm_inside_a_window_resumes_to_the_uninterrupted_run(
     command = ["--root", str(tmp_path), "--max_epochs", str(EPOCHS)]
     with pytest.raises(SystemExit):
         recipe.main(command, Sigterm(26))
-    saved = torch.load(tmp_path / "checkpoints" / "preempted.ckpt", weights_only=False)
+    saved = torch.load(tmp_path / "lm_finetune" / "checkpoints" / "preempted.ckpt", weights_only=False)
     window = next(v for k, v in saved["callbacks"].items() if "GradientAccumulation" in k)["window"]
     assert window is not None and window["micro_batches"] >= 1  # saved inside a window
     resumed = recipe.main(command)  # ckpt_path "last": the newest checkpoint, the preempted one
@@ -140,8 +140,8 @@ def test_a_sigterm_inside_a_window_resumes_to_the_uninterrupted_run(
 def test_the_yaml_twin_trains_the_same_model(
     uninterrupted: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.chdir(tmp_path)  # the config writes logs/ and logs/checkpoints/ where it runs
+    monkeypatch.chdir(tmp_path)  # the config writes logs/lm_finetune_yaml/ where it runs
     args = ["fit", "--config", str(ROOT / "configs" / "lm_finetune.yaml"), f"--trainer.max_epochs={EPOCHS}"]
     cli = build_cli(args)
     assert max_difference(parameters(cli.trainer), uninterrupted[0]) < 1e-7
-    assert (tmp_path / "logs" / "checkpoints" / "last.ckpt").exists()
+    assert (tmp_path / "logs" / "lm_finetune_yaml" / "checkpoints" / "last.ckpt").exists()

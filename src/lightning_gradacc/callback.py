@@ -63,6 +63,7 @@ class _Batch:
     backward_ran: bool = False  # False: `training_step` returned None
     recorded: bool = False  # recorded in the window, the batch not ended: a save now is mid-batch
     finalized: bool = False  # the window was finalized (stepped or skipped) in it; LBFGS may re-evaluate
+    ended: bool = False  # `on_train_batch_end` ran: a save now is between batches
 
 
 def estimated_stepping_batches(trainer: pl.Trainer, *, most: bool = False) -> int | float:
@@ -96,7 +97,8 @@ class GradientAccumulationLogic(_LogicBase):
             ``None`` adopts ``Trainer(accumulate_grad_batches=...)``.
         target_batch_size: Items per optimizer step over all ranks; K = ceil(target / (micro-batch size x
             world size)), resolved in ``setup`` (before ``configure_optimizers``, so that
-            ``trainer.estimated_stepping_batches`` is exact). Exclusive with ``accumulation_steps``.
+            ``trainer.estimated_stepping_batches`` is exact); or a size per stage ``{threshold: items}``
+            keyed by ``schedule_unit="steps"`` or ``"items"``. Exclusive with ``accumulation_steps``.
         item_count_fn: ``batch -> number | Tensor``: items in a micro-batch for ``"weighted"`` (default: the
             batch size, when every tensor of the batch agrees on it). Any finite number >= 0; a device tensor
             is fine (no sync). A micro-batch with 0 items weighs nothing.
@@ -146,7 +148,7 @@ class GradientAccumulationLogic(_LogicBase):
         self,
         accumulation_steps: int | dict[int | str, int] | Literal["auto"] | None = None,
         *,
-        target_batch_size: int | None = None,
+        target_batch_size: int | dict[int | str, int] | None = None,
         scaling: Literal["mean", "sum", "weighted", "average", "dynamic"] = "mean",
         item_count_fn: ItemCountFn | None = None,
         max_grad_norm: float | None = None,
@@ -187,7 +189,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._groups = ParameterGroups()  # the optimizers' parameter groups the accumulator tracks
         self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
         self._asks_last = False  # whether a backward must know that it ends the window (set at train start)
-        self._batch = _Batch()
+        self._batch = _Batch(ended=True)
         self._paused_clipping: internals.PausedClipping | None = None  # Lightning's, until the batch ends
         self._skips = SkipWarnings()
         self._grads_read_before_step = True  # by a hook after this callback's: set at train start
@@ -196,6 +198,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._labels_checked = False  # the labels of "weighted" without a counter: read once (a host read)
         self._monitored = False  # a callback monitors a `grad_accum/` key: read the statistics every step
         self._log_dir: str | None = None  # the last fit's logger's, for `summary()`
+        self._trained = False  # training started in the current fit (`on_train_start`)
         self._accumulate_in_backward = True  # buffers filled inside the backward (False: after; benchmarks)
 
     # ------------------------------------------------------------------------------------ reporting
@@ -203,6 +206,10 @@ class GradientAccumulationLogic(_LogicBase):
     @property
     def stats(self) -> AccumulationStats:
         """A frozen snapshot of the statistics (see :class:`~lightning_gradacc.AccumulationStats`)."""
+        # a checkpoint loaded by a fit that has not trained (or never will: its run is finished)
+        loaded = None if self._trained else self._saved.stats(self.plan.accumulation_steps)
+        if loaded is not None:
+            return loaded
         if self._accumulator is not None:
             return self._accumulator.stats
         return AccumulationStats(accumulation_steps=self.plan.accumulation_steps)
@@ -214,7 +221,8 @@ class GradientAccumulationLogic(_LogicBase):
             >>> print(GradientAccumulationCallback(4).summary().splitlines()[0])
             Gradient accumulation summary
         """
-        loss = self._accumulator.window_loss if self._accumulator is not None else math.nan
+        trained = self._accumulator is not None and (self._trained or self._saved.counters is None)
+        loss = self._accumulator.window_loss if trained and self._accumulator is not None else math.nan
         return format_summary(self.stats, loss, self._log_dir, self.plan.progress())
 
     @property
@@ -246,6 +254,7 @@ class GradientAccumulationLogic(_LogicBase):
         self._stage = stage
         if stage != "fit":
             return
+        self._trained = False
         self._check_compatibility(trainer, pl_module)
         if self._accumulator is not None and not self._accumulator.window.empty:
             # the last fit raised inside a window: it can never be stepped, and any K may follow
@@ -271,6 +280,7 @@ class GradientAccumulationLogic(_LogicBase):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert trainer.model is not None
+        self._trained = True
         settings = self.settings
         per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
         try:
@@ -463,7 +473,7 @@ class GradientAccumulationLogic(_LogicBase):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._batch.recorded = False
+        self._batch.recorded, self._batch.ended = False, True
         if not self._batch.finalized:
             return
         self._resume_clipping()
@@ -521,6 +531,21 @@ class GradientAccumulationLogic(_LogicBase):
                 self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)
         self.plan.end_fit(trainer)
 
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._trained or self._saved.counters is None:
+            return
+        # Lightning skips training when the checkpoint's run already reached the limits: say so, in the
+        # callback's terms (its statistics are then the checkpoint's)
+        self._log_dir = trainer.logger.log_dir if trainer.logger is not None else None
+        self._api.rank_zero_warn(
+            f"Nothing was trained: the checkpoint's run is finished (epoch {trainer.current_epoch}, global"
+            f" step {trainer.global_step}; `max_epochs={trainer.max_epochs}`,"
+            f" `max_steps={trainer.max_steps}`)."
+            f" The callback's statistics are the checkpoint's ({self.stats.windows} windows). Raise"
+            " `max_epochs` or `max_steps` to train on, or leave `ckpt_path` unset to train from the start."
+        )
+
     # ------------------------------------------------------------------------------------- checkpoint
 
     @override
@@ -530,7 +555,10 @@ class GradientAccumulationLogic(_LogicBase):
         Under DDP this sums the open window over ranks (every rank takes part, as in every Lightning save).
         """
         warn = self._api.rank_zero_warn
-        entry = SavedState.save(self._accumulator, mid_batch=self._batch.recorded, warn=warn)
+        batch = self._batch
+        entry = SavedState.save(
+            self._accumulator, mid_batch=batch.recorded, before_backward=not batch.ended, warn=warn
+        )
         entry["plan"] = self.plan.state_dict()  # where training stands, inside a window too
         return entry
 

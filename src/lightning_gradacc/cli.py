@@ -79,7 +79,7 @@ class _GradAccCLI:
         """Print the summary table of the run's ``GradientAccumulationCallback`` (on global rank 0)."""
         trainer = self.trainer
         callback = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationLogic)), None)
-        if callback is None or not trainer.is_global_zero or callback.accumulator is None:
+        if callback is None or not trainer.is_global_zero:
             return
         print(callback.summary(), flush=True)
 
@@ -353,7 +353,7 @@ def _import_from_the_working_directory() -> None:
     """
     cwd = os.getcwd()
     first = sys.path[0] if sys.path else None
-    if not sys.flags.safe_path and first not in (cwd, ""):
+    if not getattr(sys.flags, "safe_path", False) and first not in (cwd, ""):
         sys.path.insert(0, cwd)
 
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
-from .core import GradAccumulator
+from .core import AccumulationStats, GradAccumulator
 from .core.checkpoint import FORMAT_VERSION
 from .core.settings import AccumulationSettings
+from .core.statistics import RunStatistics
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -83,7 +85,11 @@ class SavedState:
 
     @staticmethod
     def save(
-        accumulator: GradAccumulator | None, *, mid_batch: bool, warn: Callable[[str], Any]
+        accumulator: GradAccumulator | None,
+        *,
+        mid_batch: bool,
+        warn: Callable[[str], Any],
+        before_backward: bool = False,
     ) -> dict[str, Any]:
         """The entry: counters and the open window (tensors and numbers: ``weights_only=True`` loads it).
 
@@ -93,8 +99,18 @@ class SavedState:
             accumulator: The accumulator of the current fit, or ``None``.
             mid_batch: Whether a micro-batch was recorded in a batch that has not ended.
             warn: Warns once (on rank zero) that such a save cannot resume exactly.
+            before_backward: Whether a batch started and has not ended (its micro-batch not recorded yet).
         """
         window = accumulator.window_state_dict() if accumulator is not None else None
+        if before_backward and not mid_batch:
+            warn(
+                "This checkpoint is taken inside a batch that has not ended (an exception in"
+                " `on_train_batch_start` or `training_step`, saved by `OnExceptionCheckpoint`?). Lightning"
+                " resumes the data where its loader stood at the save, after the batch it had fetched (a"
+                " resumable loader such as torchdata's `StatefulDataLoader`), so that batch is never trained"
+                " on: the resumed run is the uninterrupted run without it, not the same run. Checkpoints"
+                " taken at a batch's end resume exactly."
+            )
         if window is not None and mid_batch:
             warn(
                 "This checkpoint is taken after a micro-batch's backward but before its batch ended (an"
@@ -117,6 +133,17 @@ class SavedState:
             )
         self.counters = state_dict.get("accumulator")
         self.window = state_dict.get("window")
+
+    def stats(self, accumulation_steps: int) -> AccumulationStats | None:
+        """The loaded checkpoint's statistics, before an accumulator takes them (``None`` if none is held).
+
+        What a fit that trains nothing (its checkpoint's run is finished) reports.
+        """
+        if self.counters is None:
+            return None
+        statistics = RunStatistics(torch.device("cpu"), torch.float64)
+        statistics.load_state_dict(self.counters)
+        return statistics.snapshot(accumulation_steps=accumulation_steps)
 
     def restore(
         self, accumulator: GradAccumulator, previous: GradAccumulator | None, *, primary: bool

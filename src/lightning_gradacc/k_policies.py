@@ -464,6 +464,7 @@ class AutoK(KPolicy):
         self._timed = [0.0] * 4  # since the last boundary: accumulating s, count, stepping s, count
         self._last_start: float | None = None  # the clock at the last batch start
         self._last_closed = False  # whether a window closed since then (the batch was a stepping one)
+        self._carried: float | None = None  # a resumed batch's seconds before the save (clocks do not carry)
 
     def for_fit(self, trainer_k: int, world_size: int = 1) -> KPolicy:
         """A fresh controller for a fit (its state carried over by the plan): K starts at ``start_k``.
@@ -523,16 +524,17 @@ class AutoK(KPolicy):
         if self.settings.rule != "goodput":
             return None
         now = self.clock()
-        if self._last_start is not None:
+        seconds = now - self._last_start if self._last_start is not None else self._carried
+        if seconds is not None:
             at = 2 if self._last_closed else 0  # the batch before was a window's last one
-            self._timed[at] += now - self._last_start
+            self._timed[at] += seconds
             self._timed[at + 1] += 1.0
-        self._last_start, self._last_closed = now, False
+        self._last_start, self._last_closed, self._carried = now, False, None
         return list(self._timed)
 
     def epoch_started(self) -> None:
         """The time between epochs (validation, the loader's start) is no batch's."""
-        self._last_start = None
+        self._last_start = self._carried = None
 
     # ------------------------------------------------------------------------------------- deciding
 
@@ -541,7 +543,10 @@ class AutoK(KPolicy):
         self._last_closed = True
         if self.settings.rule == "goodput":
             self._take_times(facts.ridden)
-        per_micro_batch = facts.items / (facts.micro_batches * facts.world_size) if facts.items > 0 else 1.0
+        if not facts.items > 0:  # an empty window (every step None, or 0 items) measured nothing: no decision
+            self.target = math.nan
+            return
+        per_micro_batch = facts.items / (facts.micro_batches * facts.world_size)
         self.batch_items = per_micro_batch
         self.estimate = facts.noise_scale
         target = self._target(facts.noise_scale, per_micro_batch * facts.world_size)
@@ -617,10 +622,15 @@ class AutoK(KPolicy):
             "trajectory": [list(stage) for stage in self.trajectory],
             "t_micro": self.t_micro,
             "t_step": self.t_step,
+            # goodput's timings of the open window, and of the batch in flight up to the save (a clock's
+            # readings mean nothing in another process: the seconds elapsed do)
+            "timed": list(self._timed),
+            "in_flight": None if self._last_start is None else self.clock() - self._last_start,
+            "last_closed": self._last_closed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue deciding from a saved state (the timing of the batch in flight is not carried over)."""
+        """Continue deciding from a saved state (the open window's timings and the batch in flight too)."""
         if not state:
             return
         self.k = int(state["k"])
@@ -630,7 +640,10 @@ class AutoK(KPolicy):
         self.batch_items = float(state["batch_items"])
         self.trajectory = [(int(step), float(items), int(k)) for step, items, k in state["trajectory"]]
         self.t_micro, self.t_step = float(state["t_micro"]), float(state["t_step"])
-        self._timed, self._last_start, self._last_closed = [0.0] * 4, None, False
+        self._timed = [float(v) for v in state.get("timed", [0.0] * 4)]
+        in_flight = state.get("in_flight")
+        self._last_start, self._carried = None, None if in_flight is None else float(in_flight)
+        self._last_closed = bool(state.get("last_closed", False))
 
 
 def make_policy(

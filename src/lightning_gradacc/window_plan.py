@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 Warn = Callable[[str], Any]
 LRScalingMode = Literal["none", "sqrt", "linear"]
 POWERS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
+# an item budget of `lr_schedule` this far from what the fit will consume is warned of (at its first window)
+BUDGET_TOLERANCE = 1.25
 
 
 def window_lightning_k(first_ready: int, window_k: int) -> int:
@@ -140,6 +142,9 @@ class WindowPlan:
         self._user_k: int | None = None  # its `accumulate_grad_batches` as the user set it
         self._built_train_data = False  # the train dataloader was built in `setup` (a target batch size)
         self._world_size = 1  # the fit's ranks
+        self._restored = False  # a checkpoint's position was loaded, not yet attached to a fit
+        self._warn: Warn | None = None  # the fit's (rank zero's) warning
+        self._budget_checked = False  # the fit's item estimate was compared with `lr_schedule.total`
         self._accumulator: GradAccumulator | None = None  # the fit's, once attached
         self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks (lr_scaling)
         self._saved_lrs: list[tuple[dict[str, Any], Any]] = []
@@ -303,6 +308,7 @@ class WindowPlan:
                 " value."
             )
         previous, self._world_size = self.run, trainer.world_size
+        self._warn, self._budget_checked = warn, False
         self.run = self.policy.for_fit(self._user_k or 1, trainer.world_size)
         if previous is not None:  # what an adaptive policy learned goes on (a checkpoint replaces it)
             self.run.load_state_dict(previous.state_dict())
@@ -326,9 +332,16 @@ class WindowPlan:
         if isinstance(self.run, TargetBatchSize):
             self._resolve_target_again(trainer, warn)
         self._accumulator = accumulator
-        position = self.position
+        position, restored, self._restored = self.position, self._restored, False
         if position.batches_in_window and self._policy.per_window:
             self._write(trainer, position.window_k, position.lightning_k)
+        elif restored and self._policy.per_window:
+            # Lightning's restarted epoch loop asks whether the saved batch stepped (`ready % K == 0`) to
+            # advance its logging step: it must see the K it ran that window with; the next window opening
+            # writes its own
+            k = self._k_now(trainer)
+            assert k is not None
+            self._write(trainer, k, position.lightning_k)
         else:
             k = self._k_now(trainer)
             assert k is not None
@@ -385,6 +398,10 @@ class WindowPlan:
         self._items_before, self._closed_unstepped = position.items, True  # this window's step's index
         if self._counts_items:
             position.items += accumulator.statistic("items_last_step")
+            if not self._budget_checked:
+                self._check_schedule_budget(
+                    accumulator.statistic("items_last_step"), position.batches_in_window
+                )
         position.batches_in_window = 0
         if policy.adaptive:
             policy.window_closed(
@@ -440,11 +457,48 @@ class WindowPlan:
             lightning_k=int(state["lightning_k"]),
             batches_in_window=int(state["batches_in_window"]),
         )
+        self._restored = True
         self._policy.load_state_dict(state.get("policy") or {})
         trainer = self._trainer() if self._trainer is not None else None
         if self._built_train_data and trainer is not None:  # built in `setup`, before the loop's state
             internals.forget_train_data(trainer)  # the fit builds it again and restores its position
             self._built_train_data = False
+
+    def _check_schedule_budget(self, window_items: float, window_batches: int) -> None:
+        """Warn once per fit where ``lr_schedule``'s item budget and what the fit will consume disagree.
+
+        The fit's items are estimated from its first window with items: its items per batch (over the ranks)
+        times the batches the Trainer's limits allow (``max_epochs`` x batches per epoch, or ``max_steps``
+        windows of the current K).
+        """
+        schedule, trainer = self.lr_schedule, self._trainer() if self._trainer is not None else None
+        if (
+            schedule is None
+            or trainer is None
+            or self._warn is None
+            or not (window_items > 0 and window_batches)
+        ):
+            return
+        self._budget_checked = True
+        per_epoch, epochs, steps = trainer.num_training_batches, trainer.max_epochs, trainer.max_steps
+        bounds = []
+        if per_epoch != float("inf") and epochs not in (None, -1):
+            bounds.append(float(per_epoch) * float(epochs))
+        if steps is not None and steps > 0:
+            bounds.append(float(steps) * self.position.window_k)
+        if not bounds:
+            return
+        batches = min(bounds)
+        estimate = window_items / window_batches * batches
+        total = float(schedule.total)
+        if 1.0 / BUDGET_TOLERANCE <= estimate / total <= BUDGET_TOLERANCE:
+            return
+        self._warn(
+            f"`lr_schedule` spans {total:,.0f} items (`total`), but this fit will consume about"
+            f" {estimate:,.0f} ({window_items / window_batches:,.1f} items per batch in its first window x"
+            f" {batches:,.0f} batches): the learning rate ends at {schedule.factor(estimate):.2f} of its peak"
+            f" (`final={schedule.final:g}`). Set `lr_schedule.total` to the items the run consumes."
+        )
 
     # ------------------------------------------------------------------------------ learning rate
 

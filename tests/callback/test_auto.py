@@ -411,3 +411,51 @@ def test_a_second_fit_goes_on_from_the_k_the_interrupted_first_one_reached() -> 
     assert callback.plan.run.trajectory[: len(callback.plan.run.trajectory)][0] == (0, 0.0, 2)
     expected = h.big_batch_reference(h.regression_net(), module.data, 4, windows.windows, h.mse, lr=0.05)
     assert h.max_abs_diff(module.net, expected) < 1e-6
+
+
+def test_k_never_exceeds_max_k_when_the_rule_asks_for_more() -> None:
+    """A budget 50 times the noise scale asks for far more than ``max_k=5`` (not a power of two): every
+    window holds at most 5 micro-batches, K reaches 5, and the windows replay as one big batch each."""
+    module = h.RegressionModule(h.regression_data(SAMPLES), lr=0.05)
+    recorder, windows = h.MetricsRecorder(), h.SteppedWindows()
+    callback = auto_callback(budget=50.0, max_k=5)
+    h.fit(module, callback, windows, max_epochs=2, logger=recorder, log_every_n_steps=1)
+    sizes = [len(window) for window in windows.windows]
+    assert max(sizes) == 5 and sizes.count(5) >= 4, sizes
+    assert max(k for _, k in recorder.series("grad_accum/auto_target_k")) == 5
+    expected = h.big_batch_reference(h.regression_net(), module.data, 4, windows.windows, h.mse, lr=0.05)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+
+
+class SkipsWindow(h.RegressionModule):
+    """`training_step` returns None for batches 2 and 3: the whole second window (K=2) is empty."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx in (2, 3) else loss
+
+
+@pytest.mark.filterwarnings("ignore:`training_step` returned `None`")
+def test_an_empty_window_decides_nothing_and_logs_no_estimate() -> None:
+    """A window whose every step returned None measured no items and no noise: K stays where the window
+    before it put it (an empty window read as 1 item per micro-batch jumped to ``max_k``), and its logged
+    estimates are nan, not the last window's."""
+    module = SkipsWindow(h.regression_data(SAMPLES), lr=0.05)
+    recorder, windows = h.MetricsRecorder(), h.SteppedWindows()
+    callback = auto_callback(max_k=8)
+    h.fit(module, callback, windows, max_epochs=1, logger=recorder, log_every_n_steps=1)
+    sizes = [len(window) for window in windows.windows]
+    assert sizes[:3] == [2, 2, 2], sizes  # the first window's estimate keeps K at 2 (budget 1.0)
+    logged = {name: [v for _, v in recorder.series(f"grad_accum/{name}")] for name in DECISIONS}
+    estimates = {
+        name: [v for _, v in recorder.series(f"grad_accum/{name}")]
+        for name in ("grad_sq_norm_estimate", "trace_sigma_estimate", "window_loss")
+    }
+    assert math.isnan(logged["auto_target_k"][1]) and not math.isnan(logged["auto_target_k"][0])
+    for name, values in estimates.items():
+        assert math.isnan(values[1]) and not math.isnan(values[0]) and not math.isnan(values[2]), name
+    kept = [[b for b in window if b not in (2, 3)] for window in windows.windows]
+    expected = h.big_batch_reference(
+        h.regression_net(), module.data, 4, [w for w in kept if w], h.mse, lr=0.05
+    )
+    assert h.max_abs_diff(module.net, expected) < 1e-6

@@ -678,6 +678,8 @@ class GradAccumulator:
             **self._statistics.state_dict(),
             "accumulation_steps": self._accumulation_steps,
             "noise": self._noise.state_dict(),
+            # between windows too: the next window's weights are relative to it (a resume rebases nothing)
+            "weighting": self._weighting.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -687,6 +689,9 @@ class GradAccumulator:
         if noise is not None:
             self._noise.load_state_dict(noise)  # the averages go on where the saved run left them
         self._statistics.load_state_dict(state)
+        weighting = state.get("weighting")
+        if weighting is not None:
+            self._weighting.load_state_dict(weighting)
 
     # ---------------------------------------------------------------------------------- open window
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import torch_internals
 from .torch_internals import fsdp1_layouts
 from .torch_internals import fsdp2_held_back as held_back
 
@@ -197,11 +198,10 @@ def fsdp2_modules(module: torch.nn.Module) -> list[Any]:
         >>> fsdp2_modules(torch.nn.Linear(2, 2))
         []
     """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
+    fsdp_module = torch_internals.fsdp2_module_class()
+    if fsdp_module is None:
         return []
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+    return [m for m in module.modules() if isinstance(m, fsdp_module)]
 
 
 def fsdp2_held_back(module: torch.nn.Module) -> set[int]:

@@ -463,7 +463,13 @@ class RunStatistics:
     def close_empty_window(self, *, reevaluation: bool = False) -> None:
         """Fold a window in which no micro-batch was recorded (counted in ``empty_windows``)."""
         self.close_window(
-            {"empty_windows": 1.0, "last_grad_norm": 0.0, "items_last_step": 0.0, "window_loss": math.nan},
+            {
+                "empty_windows": 1.0,
+                "last_grad_norm": 0.0,
+                "items_last_step": 0.0,
+                # nothing was measured: not the last window's values
+                **dict.fromkeys(("window_loss", "grad_sq_norm_estimate", "trace_sigma_estimate"), math.nan),
+            },
             micro_batches=0,
             reevaluation=reevaluation,
         )

@@ -17,6 +17,7 @@ moments): the kernel returns before it reads a gradient.
 from __future__ import annotations
 
 import functools
+import importlib
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -162,6 +163,27 @@ def is_fsdp_flattened(param: Tensor) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- FSDP2
+
+
+@functools.cache
+def fsdp2_module_class() -> type | None:
+    """The class ``fully_shard`` makes a module an instance of, or ``None`` where FSDP2 is missing.
+
+    Public as ``torch.distributed.fsdp.FSDPModule`` from torch 2.6; before it (2.4, 2.5) only under the
+    private ``torch.distributed._composable.fsdp``.
+
+    Example:
+        >>> fsdp2_module_class().__name__
+        'FSDPModule'
+    """
+    for path in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            found = getattr(importlib.import_module(path), "FSDPModule", None)
+        except ImportError:
+            continue
+        if isinstance(found, type):
+            return found
+    return None
 
 
 def _fsdp2_group(module: Any) -> Any:
