@@ -3,7 +3,7 @@
     python examples/lm_finetune.py                    # a tiny random GPT-2: offline, about 10 s on a CPU
     python examples/lm_finetune.py                    # again after a preemption: resumes where it stopped
     python examples/lm_finetune.py --model_name gpt2  # a real checkpoint (downloads it)
-    lightning-gradacc fit --config configs/lm_finetune.yaml --ckpt_path last   # the same run from YAML
+    lightning-gradacc fit --config examples/lm_finetune.yaml --ckpt_path last   # the same run from YAML
 
 What it puts together, each piece the package's:
 
@@ -148,14 +148,14 @@ class CausalLM(L.LightningModule):
 
 
 def accumulation() -> GradientAccumulationCallback:
-    """The callback of the recipe (``configs/lm_finetune.yaml`` writes the same)."""
+    """The callback of the recipe (``examples/lm_finetune.yaml`` writes the same)."""
     return GradientAccumulationCallback(
         {0: 2, "4k": 4},  # K by tokens consumed: 2, then 4
         schedule_unit="items",
         scaling="weighted",
         item_count_fn=count_predicted_tokens,  # HF shifts the labels: count what is predicted
         lr_scaling="sqrt",  # the learning rate times sqrt(K / 2)
-        lr_schedule=TokenSchedule(total="40k", warmup="2k", decay="cosine", final=0.1),
+        lr_schedule=TokenSchedule(total="12k", warmup="2k", decay="cosine", final=0.1),
         noise_scale=True,
         max_grad_norm=1.0,
     )

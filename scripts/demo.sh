@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
-lightning-gradacc fit --config configs/quickstart.yaml "$@"
+lightning-gradacc fit --config quickstart "$@"

@@ -7,6 +7,7 @@ deterministic and importable by spawned DDP workers (``tests.helpers``).
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -56,6 +57,11 @@ def trainer(namespace: str = "pytorch_lightning", **overrides: Any) -> pl.Traine
         options["strategy"] = SPAWN[namespace]()
     trainer_class: Any = PACKAGES[namespace].Trainer
     return trainer_class(**options)  # type: ignore[no-any-return]
+
+
+def weights_only(value: bool) -> dict[str, bool]:
+    """``Trainer.fit(weights_only=...)`` where Lightning takes it (2.6 on); before it, nothing."""
+    return {"weights_only": value} if "weights_only" in inspect.signature(pl.Trainer.fit).parameters else {}
 
 
 def fit(module: pl.LightningModule, *callbacks: pl.Callback, **kwargs: Any) -> pl.Trainer:
@@ -849,9 +855,10 @@ def ddp_trainer(*callbacks: pl.Callback, strategy: object = "ddp_spawn", **kwarg
 
 # ------------------------------------------------------------------------------- configs and the CLI
 
-# The demo experiments, whose classes go by short names in either namespace; `lm_finetune.yaml` names its own
-# (lightning.pytorch) by their import paths and is run by `tests/test_lm_recipe.py`.
-CONFIGS = sorted(path for path in (ROOT / "configs").glob("*.yaml") if path.stem != "lm_finetune")
+# The demo experiments the package ships (`--config NAME`), whose classes go by short names in either
+# namespace; examples/lm_finetune.yaml names its own (lightning.pytorch), run by tests/test_lm_recipe.py.
+PACKAGED_CONFIGS = ROOT / "src" / "lightning_gradacc" / "configs"
+CONFIGS = sorted(PACKAGED_CONFIGS.glob("*.yaml"))
 QUICK = [  # command-line overrides that keep a config's run short
     "--trainer.max_epochs=2",
     "--trainer.limit_train_batches=6",

@@ -30,7 +30,7 @@ from tests.helpers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")]
 EPOCHS = 3
-PEAK, TOTAL, WARMUP, FINAL = 1e-3, 40_000, 2_000, 0.1
+PEAK, TOTAL, WARMUP, FINAL = 1e-3, 12_000, 2_000, 0.1
 
 
 class Batches(L.Callback):
@@ -122,7 +122,7 @@ class Sigterm(L.Callback):
 
 
 def test_a_sigterm_inside_a_window_resumes_to_the_uninterrupted_run(
-    uninterrupted: Any, tmp_path: Path
+    uninterrupted: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Micro-batch 26 of 48 is the first of a window after K became 4: the run stops there with a checkpoint
     holding the open window and the loader's position; the same command resumes from it."""
@@ -133,15 +133,17 @@ def test_a_sigterm_inside_a_window_resumes_to_the_uninterrupted_run(
     saved = torch.load(tmp_path / "lm_finetune" / "checkpoints" / "preempted.ckpt", weights_only=False)
     window = next(v for k, v in saved["callbacks"].items() if "GradientAccumulation" in k)["window"]
     assert window is not None and window["micro_batches"] >= 1  # saved inside a window
+    capsys.readouterr()
     resumed = recipe.main(command)  # ckpt_path "last": the newest checkpoint, the preempted one
     assert max_difference(parameters(resumed), final) < 1e-6
+    assert "Gradient accumulation summary" in capsys.readouterr().out  # the recipe prints its summary
 
 
 def test_the_yaml_twin_trains_the_same_model(
     uninterrupted: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)  # the config writes logs/lm_finetune_yaml/ where it runs
-    args = ["fit", "--config", str(ROOT / "configs" / "lm_finetune.yaml"), f"--trainer.max_epochs={EPOCHS}"]
+    args = ["fit", "--config", str(ROOT / "examples" / "lm_finetune.yaml"), f"--trainer.max_epochs={EPOCHS}"]
     cli = build_cli(args)
     assert max_difference(parameters(cli.trainer), uninterrupted[0]) < 1e-7
     assert (tmp_path / "logs" / "lm_finetune_yaml" / "checkpoints" / "last.ckpt").exists()

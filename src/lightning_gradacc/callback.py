@@ -16,6 +16,7 @@ has the one for ``lightning.pytorch``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from . import lightning_internals as internals
 from .core import AccumulationStats, GradAccumulator
 from .core.settings import SETTINGS, AccumulationSettings, with_setting_docs
 from .core.torch_internals import disarm
+from .core.versions import LIGHTNING_FLOOR, check_version
 from .counters import check_item_count_fn, count_micro_batch
 from .fit_accumulator import ParameterGroups, SavedState, build_accumulator
 from .k_policies import AutoSettings, make_policy
@@ -41,6 +43,8 @@ from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from
 from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
 from .reporting import SkipWarnings, format_summary, monitors_statistics, step_metrics
 from .window_plan import WindowPlan
+
+check_version("pytorch-lightning", importlib.metadata.version("pytorch-lightning"), LIGHTNING_FLOOR)
 
 # Type-checked against pytorch_lightning's Callback (both namespaces have the same hooks); a plain mixin at
 # run time, so that each namespace's callback class can put its own Callback beside it.

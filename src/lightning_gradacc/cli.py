@@ -1,10 +1,10 @@
-r"""``lightning-gradacc``: a LightningCLI for either namespace; its experiments are YAML files (``configs/``).
+r"""``lightning-gradacc``: a LightningCLI for either namespace; its experiments are YAML files.
 
 Usage::
 
-    lightning-gradacc fit --config configs/quickstart.yaml
-    lightning-gradacc fit --config configs/quickstart.yaml --namespace lightning   # lightning.pytorch
-    lightning-gradacc fit --config configs/quickstart.yaml --trainer.max_epochs=2 \\
+    lightning-gradacc fit --config quickstart
+    lightning-gradacc fit --config quickstart --namespace lightning   # lightning.pytorch
+    lightning-gradacc fit --config quickstart --trainer.max_epochs=2 \\
         --trainer.callbacks.init_args.accumulation_steps=8
     lightning-gradacc fit --model my_project.MyModule --trainer.accumulate_grad_batches 4
 
@@ -128,6 +128,7 @@ _CLASS_OPTIONS = (
     "--lr_scheduler",
 )
 _CONFIG_OPTIONS = ("--config", "-c")
+PACKAGED_CONFIGS = Path(__file__).parent / "configs"  # `--config NAME` (see `packaged_configs`)
 
 
 def _load(text_or_path: str, base: Path) -> tuple[Any, Path] | None:
@@ -305,9 +306,56 @@ def _parser_mode(package: str) -> str:
     return mode
 
 
+def packaged_configs() -> dict[str, Path]:
+    """The experiments the package ships, by name: what ``--config NAME`` runs.
+
+    Example:
+        >>> sorted(packaged_configs())[:3]
+        ['auto', 'ddp_cpu', 'quickstart']
+    """
+    return {path.stem: path for path in sorted(PACKAGED_CONFIGS.glob("*.yaml"))}
+
+
+def resolve_config_names(args: list[str]) -> list[str]:
+    """``--config NAME`` (``-c NAME``) as the path of the config the package ships under that name.
+
+    A value that is a file here, a path, a file name with a suffix or an inline config is left as it is.
+
+    Raises:
+        SystemExit: ``NAME`` is no file here and no config the package ships (the shipped ones are named).
+
+    Example:
+        >>> resolve_config_names(["fit", "--config", "quickstart"])[2].endswith("configs/quickstart.yaml")
+        True
+    """
+    resolved: list[str] = []
+    items = iter(args)
+    for arg in items:
+        option, has_value, value = arg.partition("=")
+        if option not in _CONFIG_OPTIONS:
+            resolved.append(arg)
+            continue
+        if not has_value:
+            value = next(items, "")
+        if value.isidentifier() and not Path(value).exists():
+            shipped = packaged_configs()
+            if value not in shipped:
+                raise SystemExit(
+                    f"`{option} {value}`: no such file, and no config of the package is named {value!r}."
+                    f" Its configs: {', '.join(shipped)}; or give a path to a YAML file."
+                )
+            value = str(shipped[value])
+        resolved.extend([option, value])
+    return resolved
+
+
 def build_cli(args: list[str] | None = None, *, run: bool = True) -> Any:
-    """Parse ``args`` (default: ``sys.argv[1:]``), instantiate; run the subcommand unless ``run=False``."""
-    package, rest = choose_namespace(list(sys.argv[1:] if args is None else args))
+    """Parse ``args`` (default: ``sys.argv[1:]``), instantiate; run the subcommand unless ``run=False``.
+
+    ``--config NAME`` runs a config the package ships (:func:`packaged_configs`).
+    """
+    given = list(sys.argv[1:] if args is None else args)
+    package, rest = choose_namespace(resolve_config_names(given))
     # `sys.argv` keeps `--namespace`: Lightning's DDP launcher starts the other ranks with it.
     description = (
         f"Gradient accumulation with lightning_gradacc, in `{package}`. `{NAMESPACE_FLAG} lightning` or"
@@ -357,4 +405,13 @@ def _import_from_the_working_directory() -> None:
         sys.path.insert(0, cwd)
 
 
-__all__ = ["NAMESPACES", "build_cli", "choose_namespace", "cli_class", "detect_namespace", "main"]
+__all__ = [
+    "NAMESPACES",
+    "build_cli",
+    "choose_namespace",
+    "cli_class",
+    "detect_namespace",
+    "main",
+    "packaged_configs",
+    "resolve_config_names",
+]

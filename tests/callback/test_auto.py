@@ -459,3 +459,52 @@ def test_an_empty_window_decides_nothing_and_logs_no_estimate() -> None:
         h.regression_net(), module.data, 4, [w for w in kept if w], h.mse, lr=0.05
     )
     assert h.max_abs_diff(module.net, expected) < 1e-6
+
+
+class VaryingTimed(StatefulTimed):
+    """By the fake clock every micro-batch and every step costs its own time, a function of where training
+    stands (the global batch index, the step): the same in a resumed run, whatever its process saw before."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        FAKE_NOW[0] += 0.5 + 0.25 * (self.trainer.fit_loop.total_batch_idx * 7 % 5)
+        return h.RegressionModule.training_step(self, batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        FAKE_NOW[0] += 8.0 + 3.0 * (self.trainer.global_step % 3)
+
+
+def test_goodput_resumes_at_every_position_of_a_window_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Costs that vary per micro-batch: resumed after each micro-batch of a window of 3 or more after K
+    changed, and after the window before it (window-end checkpoints), every later decision (K, target,
+    estimate, t_micro, t_step) and the parameters are the uninterrupted run's. Before, the open window's
+    timing sums and the batch in flight were lost at the save: other timings, another K, other parameters."""
+
+    def callback() -> GradientAccumulationCallback:
+        return auto_callback(rule="goodput", patience=2, clock=FakeClock())
+
+    epochs = 3
+    whole, windows = VaryingTimed(h.regression_data(SAMPLES), lr=0.05), h.SteppedWindows()
+    recorder = h.MetricsRecorder()
+    trainer = h.trainer(
+        callbacks=[callback(), windows], max_epochs=epochs, logger=recorder, log_every_n_steps=1
+    )
+    trainer.fit(whole)
+    sizes = [len(window) for window in windows.windows]
+    change = next(i for i in range(1, len(sizes)) if sizes[i] > sizes[i - 1] and sizes[i] > 2)
+    first = sum(sizes[:change])  # the window's first micro-batch (global index)
+    # the window before ends there: a window-end checkpoint (not at an epoch's last batch: torchdata's loader
+    # saved there yields nothing in the next epoch, with or without this callback)
+    positions = [first - 1, *range(first, first + sizes[change])]
+    for at in positions:
+        path = tmp_path / f"at{at}.ckpt"
+        h.preempt(
+            VaryingTimed(h.regression_data(SAMPLES), lr=0.05), [callback()], at, path, max_epochs=epochs
+        )
+        resumed, resumed_recorder = VaryingTimed(h.regression_data(SAMPLES), lr=0.05), h.MetricsRecorder()
+        h.trainer(
+            callbacks=[callback()], max_epochs=epochs, logger=resumed_recorder, log_every_n_steps=1
+        ).fit(resumed, ckpt_path=path)
+        after = decisions(resumed_recorder)
+        assert after["auto_t_micro"], at
+        assert after == decisions(recorder, since=after["auto_t_micro"][0][0]), at
+        assert h.max_abs_diff(resumed.net, whole.net) < 1e-6, at

@@ -8,6 +8,7 @@ windows of a fixed K, of an items-keyed schedule and of an ``"auto"`` run (read 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -131,3 +132,25 @@ def test_under_a_grad_scaler_each_step_takes_the_factor_of_the_items_before_its_
     )
     # fp16 autocast, micro- vs big-batch rounding: 3.8e-4 measured over 30 steps (a window ahead: 0.12)
     assert h.max_abs_diff(module.net, expected) < 5e-4
+
+
+def test_a_schedule_whose_item_budget_the_run_does_not_match_is_warned_of_at_its_first_window() -> None:
+    """240 samples in 3 epochs: a budget of 2,400 would leave the learning rate near its peak at the end
+    (warned, with the estimate and the factor reached); 240 is the run's (no warning)."""
+    budget = TokenSchedule(total=2400, warmup=24)
+    with pytest.warns(
+        UserWarning, match=r"spans 2,400 items .* about 240 \(4.0 items per batch .* x 60 batches\)"
+    ):
+        h.fit(
+            h.RegressionModule(h.regression_data(SAMPLES)),
+            GradientAccumulationCallback(2, lr_schedule=budget),
+            max_epochs=EPOCHS,
+        )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "`lr_schedule` spans")
+        schedule = TokenSchedule(total=240, warmup=24)
+        h.fit(
+            h.RegressionModule(h.regression_data(SAMPLES)),
+            GradientAccumulationCallback(2, lr_schedule=schedule),
+            max_epochs=EPOCHS,
+        )

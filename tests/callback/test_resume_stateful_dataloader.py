@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import OnExceptionCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -245,3 +246,50 @@ def test_a_stream_without_length_resumes_one_batch_late(tmp_path: Path) -> None:
     assert order[:7] == expected_order[:7]
     assert order[7:9] == expected_order[8:10]  # micro-batch 7 (samples 28..31) is skipped
     assert distance(resumed, streamed) > 1e-2  # measured: 2.8e-2
+
+
+class RaisesOnce(Module):
+    """Raises in ``training_step`` of global micro-batch ``at`` (inside a window), once."""
+
+    def __init__(self, make_loader: LoaderFactory, at: int) -> None:
+        super().__init__(make_loader)
+        self.at, self.count = at, 0
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        self.count += 1
+        if self.count - 1 == self.at:
+            raise RuntimeError("simulated crash")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_crash_inside_a_batch_resumes_without_the_batch_it_had_fetched(tmp_path: Path) -> None:
+    """Saved by ``OnExceptionCheckpoint`` when ``training_step`` of micro-batch 6 raises: the loader's saved
+    position is after batch 6 and Lightning restarts at index 6, so batch 6 is never trained on, and the
+    epoch's loader runs out a batch before Lightning's count of 10: Lightning does not step batch 9 (index 8
+    is not its last), and the callback discards that cut window at the next epoch (warned). The resumed run
+    is exactly that, not the uninterrupted run; the save warns."""
+    first, resumed = RaisesOnce(sequential, 6), Module(sequential)
+    saver = OnExceptionCheckpoint(tmp_path, filename="crash")
+    with (  # "weighted": the big batch of each window, also of the epochs' last (2 samples) micro-batches
+        pytest.warns(UserWarning, match="inside a batch that has not ended"),
+        pytest.raises(RuntimeError, match="simulated crash"),
+    ):
+        callbacks = [GradientAccumulationCallback(K, scaling="weighted"), saver]
+        h.trainer(callbacks=callbacks, max_epochs=EPOCHS, enable_checkpointing=True).fit(first)
+    with pytest.warns(UserWarning, match="never reached its optimizer step"):
+        trainer = h.trainer(
+            callbacks=[GradientAccumulationCallback(K, scaling="weighted")], max_epochs=EPOCHS
+        )
+        trainer.fit(resumed, ckpt_path=tmp_path / "crash.ckpt")
+    trained = [indices[0] // BATCH for indices in first.seen + resumed.seen]
+    assert trained[:10] == [0, 1, 2, 3, 4, 5, 7, 8, 9, 0]
+    windows = [[0, 1, 2, 3], [4, 5, 7, 8], *h.windows(MICRO_BATCHES, K, epochs=EPOCHS - 1)]
+    expected = h.big_batch_reference(
+        h.regression_net(), h.regression_data(NUM_SAMPLES), BATCH, windows, h.mse
+    )
+    assert h.max_abs_diff(resumed.net, expected) < 1e-6
+    uninterrupted_windows = h.windows(MICRO_BATCHES, K, epochs=EPOCHS)
+    whole = h.big_batch_reference(
+        h.regression_net(), h.regression_data(NUM_SAMPLES), BATCH, uninterrupted_windows, h.mse
+    )
+    assert h.max_abs_diff(resumed.net, whole) > 1e-2  # not the uninterrupted run

@@ -398,3 +398,49 @@ def test_a_step_estimate_in_configure_optimizers_keeps_the_dataloader_s_position
     )
     difference = h.max_abs_diff(resumed.net, whole.net)
     assert difference < 1e-7 if ours else difference > 1e-3
+
+
+class LogsItsLoss(Stateful):
+    """Logs its own loss at every step, as a module does with ``self.log``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        self.log("module_loss", loss)
+        return loss
+
+
+AUTO_POLICY = {"accumulation_steps": "auto", "auto": {"patience": 1, "max_k": 4, "powers_of_two": False}}
+
+
+@pytest.mark.parametrize("policy", [*POLICIES, "auto"])
+def test_the_logged_step_axis_of_a_run_resumed_from_a_window_end_is_the_uninterrupted_run_s(
+    tmp_path: Path, policy: str
+) -> None:
+    """Saved at the end of the first window after a transition (a window-end checkpoint), resumed: every
+    value logged after it, the callback's statistics and the module's own ``self.log``, lands on the step
+    the uninterrupted run logged it at (one step early, for policies that drive Lightning window by window,
+    when Lightning's restarted loop was given another K than the saved window ran with)."""
+    arguments = AUTO_POLICY if policy == "auto" else POLICIES[policy]
+    whole, windows, recorder = LogsItsLoss(h.regression_data(40)), h.SteppedWindows(), h.MetricsRecorder()
+    options = {"max_epochs": EPOCHS, "log_every_n_steps": 1}
+    h.trainer(callbacks=[GradientAccumulationCallback(**arguments), windows], logger=recorder, **options).fit(
+        whole
+    )
+    sizes = [len(window) for window in windows.windows]
+    ends = [sum(sizes[: i + 1]) - 1 for i in range(len(sizes))]  # each window's last micro-batch
+    # the first window after a transition (the second window where K never changes), not at an epoch's end
+    change = next(
+        (i for i in range(1, len(sizes)) if sizes[i] != sizes[i - 1] and ends[i] % BATCHES != BATCHES - 1), 1
+    )
+    at = ends[change]
+    path = tmp_path / "window_end.ckpt"
+    h.preempt(LogsItsLoss(h.regression_data(40)), [GradientAccumulationCallback(**arguments)], at, path)
+    resumed, resumed_recorder = LogsItsLoss(h.regression_data(40)), h.MetricsRecorder()
+    h.trainer(callbacks=[GradientAccumulationCallback(**arguments)], logger=resumed_recorder, **options).fit(
+        resumed, ckpt_path=path
+    )
+    for key in ("module_loss", "grad_accum/accumulation_steps", "grad_accum/window_loss"):
+        after = resumed_recorder.series(key)
+        assert after, key
+        assert after == [(s, v) for s, v in recorder.series(key) if s >= after[0][0]], key
+        assert after[0][0] == change + 1, key  # the first step after the save

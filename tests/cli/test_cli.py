@@ -18,14 +18,13 @@ from lightning_gradacc.cli import build_cli
 from lightning_gradacc.core.settings import parse_threshold
 from lightning_gradacc.counters import TokenCounter, count_predicted_tokens, count_tokens
 from lightning_gradacc.k_policies import AutoK, AutoSettings
-from tests.helpers import CONFIGS, QUICK, ROOT, the_callback
+from tests.helpers import CONFIGS, PACKAGED_CONFIGS, QUICK, the_callback
 
 SINGLE_PROCESS = [path for path in CONFIGS if path.stem != "ddp_cpu"]
 
 
 def test_every_config_exists() -> None:
     expected = {"quickstart", "token_lm", "schedule", "target_batch", "ddp_cpu", "warmup_tokens", "auto"}
-    assert {p.stem for p in CONFIGS} | {"lm_finetune"} == {p.stem for p in (ROOT / "configs").glob("*.yaml")}
     assert {p.stem for p in CONFIGS} == expected
 
 
@@ -48,15 +47,32 @@ def test_config_parses_and_instantiates(config: Path, tmp_path: Path) -> None:
     assert callback.settings.max_grad_norm == raw.get("max_grad_norm")
 
 
+def test_a_target_batch_size_per_stage_is_accepted_from_yaml_and_trains(tmp_path: Path) -> None:
+    """As in Python: ``{steps: items}`` with ``schedule_unit: steps`` (the quickstart's micro-batches of 32
+    make K 4, then 8); the CLI's fit runs those windows."""
+    config = yaml.safe_load((PACKAGED_CONFIGS / "target_batch.yaml").read_text())
+    config["trainer"]["callbacks"][0]["init_args"] = {
+        "target_batch_size": {0: 128, 3: 256},
+        "schedule_unit": "steps",
+    }
+    config["trainer"].update(max_epochs=1, logger=False, default_root_dir=str(tmp_path))
+    path = tmp_path / "stages.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = build_cli(["fit", "--config", str(path)])
+    callback = the_callback(cli, GradientAccumulationCallback)
+    assert callback.plan.policy.size == {0: 128, 3: 256}
+    assert callback.plan.position.steps >= 4 and callback.plan.position.window_k == 8
+
+
 def test_token_lm_config_resolves_the_counter_import_path(tmp_path: Path) -> None:
-    cli = build_cli(["--config", str(ROOT / "configs/token_lm.yaml")], run=False)
+    cli = build_cli(["--config", str(PACKAGED_CONFIGS / "token_lm.yaml")], run=False)
     callback = the_callback(cli, GradientAccumulationCallback)
     assert callback.settings.scaling == "weighted"
     assert callback.item_count_fn is count_tokens
 
 
 def test_every_callback_argument_is_settable_from_yaml(tmp_path: Path) -> None:
-    config = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
+    config = yaml.safe_load((PACKAGED_CONFIGS / "quickstart.yaml").read_text())
     config["trainer"]["callbacks"][0]["init_args"] = {
         "accumulation_steps": {0: 2, 3: 8},
         "scaling": "dynamic",
@@ -95,14 +111,18 @@ def test_every_callback_argument_is_settable_from_yaml(tmp_path: Path) -> None:
     ],
 )
 def test_callback_arguments_can_be_overridden_on_the_command_line(override: str) -> None:
-    args = ["--config", str(ROOT / "configs/quickstart.yaml"), *override.split(" ")]
+    args = ["--config", str(PACKAGED_CONFIGS / "quickstart.yaml"), *override.split(" ")]
     callback = the_callback(build_cli(args, run=False), GradientAccumulationCallback)
     assert callback.plan.policy.k == 8
     assert callback.settings.max_grad_norm == 1.0  # the rest of the config is kept
 
 
 def test_invalid_yaml_value_is_reported_with_the_argument_name(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["--config", str(ROOT / "configs/quickstart.yaml"), "--trainer.callbacks.init_args.scaling=median"]
+    args = [
+        "--config",
+        str(PACKAGED_CONFIGS / "quickstart.yaml"),
+        "--trainer.callbacks.init_args.scaling=median",
+    ]
     with pytest.raises(SystemExit):
         build_cli(args, run=False)
     error = capsys.readouterr().err
@@ -187,7 +207,7 @@ def test_counters_are_import_paths_in_yaml(tmp_path: Path) -> None:
     """Both forms the docs show (docs/guides.md): an import path, and a ``class_path`` with ``init_args``."""
     from lightning_gradacc.cli import build_cli
 
-    config = yaml.safe_load((ROOT / "configs/token_lm.yaml").read_text())
+    config = yaml.safe_load((PACKAGED_CONFIGS / "token_lm.yaml").read_text())
     init_args = config["trainer"]["callbacks"][0]["init_args"]
     labels = torch.tensor([[5, 6, -1, -1], [7, 8, 9, -100]])  # shifted: [[6, -1, -1], [8, 9, -100]]
     token_counter = (
@@ -206,3 +226,23 @@ def test_counters_are_import_paths_in_yaml(tmp_path: Path) -> None:
         assert isinstance(counter, TokenCounter) == ("TokenCounter" in item_count_fn)
         assert counter is count_predicted_tokens or (counter.ignore_index, counter.shift) == (-1, True)
         assert int(counter({"labels": labels})) == expected_count
+
+
+def test_a_config_is_named_by_its_shipped_name_and_an_unknown_name_lists_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--config quickstart`` runs the config the package ships (a checkout is not needed); a name that is
+    no file here and no shipped config fails before parsing, naming the shipped ones; a file wins."""
+    cli = build_cli(["--config", "quickstart", f"--trainer.default_root_dir={tmp_path}"], run=False)
+    assert the_callback(cli, GradientAccumulationCallback).plan.policy.k == 4
+    with pytest.raises(SystemExit, match=r"no config of the package is named 'quickstrat'.*quickstart"):
+        build_cli(["fit", "--config=quickstrat"], run=False)
+    own = tmp_path / "quickstart"
+    own.write_text(
+        PACKAGED_CONFIGS.joinpath("quickstart.yaml")
+        .read_text()
+        .replace("accumulation_steps: 4", "accumulation_steps: 2")
+    )
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(["--config", "quickstart"], run=False)
+    assert the_callback(cli, GradientAccumulationCallback).plan.policy.k == 2

@@ -16,7 +16,7 @@ import lightning_gradacc.demo.lightning as lit_demo
 import lightning_gradacc.lightning as lit
 from lightning_gradacc import GradientAccumulationCallback, demo
 from lightning_gradacc.cli import build_cli, detect_namespace
-from tests.helpers import CONFIGS, QUICK, ROOT, the_callback
+from tests.helpers import CONFIGS, PACKAGED_CONFIGS, QUICK, the_callback
 
 CALLBACKS = {
     "pytorch_lightning": GradientAccumulationCallback,
@@ -42,7 +42,7 @@ def test_every_config_instantiates_in_both_namespaces(ns: str, config: Path, tmp
 def test_configs_train_under_lightning_pytorch(
     config: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    path = ROOT / "configs" / f"{config}.yaml"
+    path = PACKAGED_CONFIGS / f"{config}.yaml"
     cli = build_cli(
         [
             "fit",
@@ -93,7 +93,7 @@ def test_the_namespace_follows_the_model_given(
 
 @NAMESPACES
 def test_lightnings_own_scheduler_in_a_config_is_refused(ns: str, tmp_path: Path) -> None:
-    config = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
+    config = yaml.safe_load((PACKAGED_CONFIGS / "quickstart.yaml").read_text())
     config["trainer"]["callbacks"] = [
         {"class_path": "GradientAccumulationScheduler", "init_args": {"scheduling": {0: 2}}}
     ]
@@ -256,7 +256,7 @@ def test_ddp_config_under_lightning_pytorch_with_the_console_script(tmp_path: Pa
         "--namespace",
         "lightning",
         "--config",
-        str(ROOT / "configs/ddp_cpu.yaml"),
+        str(PACKAGED_CONFIGS / "ddp_cpu.yaml"),
         *QUICK,
     ]
     args.append(f"--trainer.logger.init_args.save_dir={tmp_path}")
@@ -282,7 +282,7 @@ def test_only_class_options_and_class_paths_are_imported(
     (tmp_path / "poems.py").write_text("raise SystemExit('poems.py was imported')\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    args = ["--config", str(ROOT / "configs/token_lm.yaml"), "--trainer.default_root_dir=train.out"]
+    args = ["--config", str(PACKAGED_CONFIGS / "token_lm.yaml"), "--trainer.default_root_dir=train.out"]
     assert detect_namespace(args) is None  # short names only
     assert detect_namespace(["--model.init_args.text=poems.txt"]) is None
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gradacc import GradientAccumulationCallback
-from tests.helpers import max_abs_diff
+from tests.helpers import max_abs_diff, weights_only
 
 
 class CustomException(Exception):
@@ -231,7 +231,7 @@ def test_loop_state_on_exception(accumulate_grad_batches, stop_epoch, stop_batch
         enable_checkpointing=False,
         callbacks=[callback],
     )
-    trainer.fit(model, ckpt_path=ckpt_path, weights_only=True)
+    trainer.fit(model, ckpt_path=ckpt_path, **weights_only(True))
     steps_per_epoch = -(-n_batches // accumulate_grad_batches)
     assert trainer.global_step == n_epochs * steps_per_epoch
     assert callback.stats.windows == n_epochs * steps_per_epoch

@@ -25,6 +25,7 @@ from torch.optim.swa_utils import SWALR
 from torch.utils.data import DataLoader
 
 from lightning_gradacc import GradientAccumulationCallback
+from tests.helpers import weights_only
 
 K = 2
 
@@ -159,7 +160,7 @@ def train_with_swa(
     )
 
     with _backward_patch(trainer):
-        trainer.fit(model, weights_only=False)
+        trainer.fit(model, **weights_only(False))
 
     # check the model is the expected
     assert trainer.lightning_module == model
@@ -336,7 +337,7 @@ def _swa_resume_training_from_checkpoint(tmp_path, model, resume_model):
     )
 
     with _backward_patch(trainer), pytest.raises(Exception, match="SWA crash test"):
-        trainer.fit(model, weights_only=False)
+        trainer.fit(model, **weights_only(False))
 
     checkpoint_dir = Path(tmp_path) / "checkpoints"
     checkpoint_files = os.listdir(checkpoint_dir)
@@ -349,7 +350,7 @@ def _swa_resume_training_from_checkpoint(tmp_path, model, resume_model):
     )
 
     with _backward_patch(trainer):
-        trainer.fit(resume_model, ckpt_path=ckpt_path, weights_only=False)
+        trainer.fit(resume_model, ckpt_path=ckpt_path, **weights_only(False))
     # counters survive the resume: 3 steps per training epoch, none in the BatchNorm epoch
     stats = accumulation.stats
     assert stats.windows - stats.empty_windows == 5 * 3

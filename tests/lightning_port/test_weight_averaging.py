@@ -14,8 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning.callbacks
 import torch
 from pytorch_lightning import LightningModule, Trainer
+
+if not hasattr(pytorch_lightning.callbacks, "EMAWeightAveraging"):
+    pytest.skip("`EMAWeightAveraging` comes with Lightning 2.6", allow_module_level=True)
+
 from pytorch_lightning.callbacks import EMAWeightAveraging, WeightAveraging
 from pytorch_lightning.demos.boring_classes import BoringModel, RandomDataset, RandomIterableDataset
 from torch import Tensor, nn

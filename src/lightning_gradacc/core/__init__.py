@@ -3,29 +3,35 @@
 Usable from a plain PyTorch loop, Lightning Fabric or manual optimization. One idea per module, and no
 module imports back the one that wires them together:
 
-- the window: ``window`` (its lifecycle), ``tally`` (its counts), ``weighting`` (item counts and weights);
+- the window: ``window`` (its lifecycle and its quantities), ``weighting`` (item counts, weights and the
+  gradient scale), ``settings`` (the math settings, declared and checked once);
 - its gradients: ``parameters`` (the tracked parameters and their FSDP layouts), ``shards`` (FSDP1 slices
-  and FSDP2 shards), ``buffers`` (wider accumulation buffers), ``micro_batch`` (one micro-batch checked
-  and clipped into the buffers), ``gradient_scale`` (the loss scale times the AMP scale), ``store``
-  (gradients by name);
-- the boundary: ``measurement`` (what is measured, and its one host copy), ``boundary`` (the stateless
-  math: normalization, decision, application), ``kernels`` (foreach kernels), ``scalars`` (host or device
+  and FSDP2 shards), ``buffers`` (wider accumulation buffers, one micro-batch checked and clipped into
+  them), ``grad_hooks`` (the hooks that fill them inside the backward), ``store`` (gradients by name);
+- the boundary: ``window_end`` (the window's end in five steps), ``boundary`` (the stateless math:
+  normalization, decision, application), ``kernels`` (foreach kernels), ``scalars`` (host or device
   values), ``world`` (the data-parallel ranks);
-- reporting: ``accounts`` (the run's counters and statistics, saved as numbers), ``ledger`` (statistics
-  folded over windows), ``stats`` (their snapshot), ``noise`` (the
-  gradient noise scale), ``memory`` (the process's peak);
-- ``checkpoint`` (the saved forms), ``validation`` (the settings checked), ``errors``;
+- reporting: ``statistics`` (the run's counters and statistics, their snapshot and the memory peak),
+  ``noise`` (the gradient noise scale);
+- ``checkpoint`` (the saved forms), ``torch_internals`` (every private torch attribute relied on),
+  ``versions`` (the oldest torch and Lightning supported);
 - ``accumulator``: :class:`GradAccumulator`, which wires them together.
 """
+
+import torch as _torch
 
 from .accumulator import GradAccumulator
 from .boundary import apply_, clip_grads_, decide, measure
 from .kernels import clamp_, group_by_device_and_dtype, scale_, total_norm
 from .statistics import AccumulationStats, PeakMemory
 from .store import WindowGradients
+from .versions import TORCH_FLOOR as _TORCH_FLOOR
+from .versions import check_version as _check_version
 from .weighting import ItemCount, ItemWeighting
 from .window import Window, WindowClosedError, WindowState
 from .window_end import GradientOverflowError
+
+_check_version("torch", _torch.__version__, _TORCH_FLOOR)
 
 __all__ = [
     "AccumulationStats",

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import torch_internals
 from .torch_internals import fsdp1_layouts
 from .torch_internals import fsdp2_held_back as held_back
 
@@ -198,10 +197,11 @@ def fsdp2_modules(module: torch.nn.Module) -> list[Any]:
         >>> fsdp2_modules(torch.nn.Linear(2, 2))
         []
     """
-    fsdp_module = torch_internals.fsdp2_module_class()
-    if fsdp_module is None:
+    try:
+        from torch.distributed.fsdp import FSDPModule  # public from torch 2.6, the oldest supported
+    except ImportError:  # a build without distributed support
         return []
-    return [m for m in module.modules() if isinstance(m, fsdp_module)]
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
 def fsdp2_held_back(module: torch.nn.Module) -> set[int]:

@@ -17,7 +17,6 @@ moments): the kernel returns before it reads a gradient.
 from __future__ import annotations
 
 import functools
-import importlib
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -165,27 +164,6 @@ def is_fsdp_flattened(param: Tensor) -> bool:
 # --------------------------------------------------------------------------------------------- FSDP2
 
 
-@functools.cache
-def fsdp2_module_class() -> type | None:
-    """The class ``fully_shard`` makes a module an instance of, or ``None`` where FSDP2 is missing.
-
-    Public as ``torch.distributed.fsdp.FSDPModule`` from torch 2.6; before it (2.4, 2.5) only under the
-    private ``torch.distributed._composable.fsdp``.
-
-    Example:
-        >>> fsdp2_module_class().__name__
-        'FSDPModule'
-    """
-    for path in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
-        try:
-            found = getattr(importlib.import_module(path), "FSDPModule", None)
-        except ImportError:
-            continue
-        if isinstance(found, type):
-            return found
-    return None
-
-
 def _fsdp2_group(module: Any) -> Any:
     """An FSDP2 module's parameter group.
 
@@ -244,7 +222,10 @@ def drop_fsdp2_held_back(module: Any) -> None:
     if getattr(group, "_partial_reduce_output", None) is not None:
         group._partial_reduce_output = None
     for fsdp_param in getattr(group, "fsdp_params", []):
-        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+        # an attribute of its own before torch 2.15; from 2.15 a read-only property giving
+        # `_unsharded_param.grad`, cleared below
+        own = not isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property)
+        if own and getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
             fsdp_param.unsharded_accumulated_grad = None
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
         if unsharded is not None:
