@@ -506,5 +506,11 @@ def test_goodput_resumes_at_every_position_of_a_window_as_the_uninterrupted_run(
         ).fit(resumed, ckpt_path=path)
         after = decisions(resumed_recorder)
         assert after["auto_t_micro"], at
-        assert after == decisions(recorder, since=after["auto_t_micro"][0][0]), at
+        expected = decisions(recorder, since=after["auto_t_micro"][0][0])
+        # the noise scale's estimate may differ in its last bits (torch 2.9 sums in another order after a
+        # restore); every decision and timing is the same number
+        noise, expected_noise = after.pop("auto_noise_scale"), expected.pop("auto_noise_scale")
+        assert after == expected, at
+        assert [s for s, _ in noise] == [s for s, _ in expected_noise], at
+        assert [v for _, v in noise] == pytest.approx([v for _, v in expected_noise], rel=1e-12), at
         assert h.max_abs_diff(resumed.net, whole.net) < 1e-6, at

@@ -198,7 +198,7 @@ def fsdp2_modules(module: torch.nn.Module) -> list[Any]:
         []
     """
     try:
-        from torch.distributed.fsdp import FSDPModule  # public from torch 2.6, the oldest supported
+        from torch.distributed.fsdp import FSDPModule  # public from torch 2.6 (2.9 is the oldest supported)
     except ImportError:  # a build without distributed support
         return []
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
