@@ -102,7 +102,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, T
 def test_the_recipe_is_the_big_batch_of_every_window_at_its_learning_rate(uninterrupted: Any) -> None:
     final, batches, trainer = uninterrupted
     reference = {n: p.detach() for n, p in big_batch_reference(batches.seen).named_parameters()}
-    assert max_difference(final, reference) < 1e-5  # measured 3.3e-6: float32, amplified by Adam
+    assert max_difference(final, reference) < 1e-5  # measured 2.6e-6: float32, amplified by Adam
     callback = next(c for c in trainer.callbacks if isinstance(c, GradientAccumulationCallback))
     assert callback.plan.position.window_k == 4 and callback.items_consumed > 4_000  # K grew by tokens
     logged = set(trainer.logged_metrics)
