@@ -16,7 +16,6 @@ has the one for ``lightning.pytorch``.
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from . import lightning_internals as internals
 from .core import AccumulationStats, GradAccumulator
 from .core.settings import SETTINGS, AccumulationSettings, with_setting_docs
 from .core.torch_internals import disarm
-from .core.versions import LIGHTNING_FLOOR, check_version
+from .core.versions import LIGHTNING_FLOOR, require
 from .counters import check_item_count_fn, count_micro_batch
 from .fit_accumulator import ParameterGroups, SavedState, build_accumulator
 from .k_policies import AutoSettings, make_policy
@@ -44,7 +43,7 @@ from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
 from .reporting import SkipWarnings, format_summary, monitors_statistics, step_metrics
 from .window_plan import WindowPlan
 
-check_version("pytorch-lightning", importlib.metadata.version("pytorch-lightning"), LIGHTNING_FLOOR)
+require("pytorch-lightning", LIGHTNING_FLOOR)
 
 # Type-checked against pytorch_lightning's Callback (both namespaces have the same hooks); a plain mixin at
 # run time, so that each namespace's callback class can put its own Callback beside it.
@@ -210,10 +209,8 @@ class GradientAccumulationLogic(_LogicBase):
     @property
     def stats(self) -> AccumulationStats:
         """A frozen snapshot of the statistics (see :class:`~lightning_gradacc.AccumulationStats`)."""
-        # a checkpoint loaded by a fit that has not trained (or never will: its run is finished)
-        loaded = None if self._trained else self._saved.stats(self.plan.accumulation_steps)
-        if loaded is not None:
-            return loaded
+        if self._reports_checkpoint:
+            return self._saved.stats(self.plan.accumulation_steps)
         if self._accumulator is not None:
             return self._accumulator.stats
         return AccumulationStats(accumulation_steps=self.plan.accumulation_steps)
@@ -225,9 +222,16 @@ class GradientAccumulationLogic(_LogicBase):
             >>> print(GradientAccumulationCallback(4).summary().splitlines()[0])
             Gradient accumulation summary
         """
-        trained = self._accumulator is not None and (self._trained or self._saved.counters is None)
-        loss = self._accumulator.window_loss if trained and self._accumulator is not None else math.nan
+        accumulator = self._accumulator
+        loss = (
+            accumulator.window_loss if accumulator is not None and not self._reports_checkpoint else math.nan
+        )
         return format_summary(self.stats, loss, self._log_dir, self.plan.progress())
+
+    @property
+    def _reports_checkpoint(self) -> bool:
+        """A checkpoint was loaded by a fit that has not trained (or never will: its run is finished)."""
+        return not self._trained and self._saved.counters is not None
 
     @property
     def items_consumed(self) -> float | None:
@@ -537,7 +541,7 @@ class GradientAccumulationLogic(_LogicBase):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._trained or self._saved.counters is None:
+        if not self._reports_checkpoint:
             return
         # Lightning skips training when the checkpoint's run already reached the limits: say so, in the
         # callback's terms (its statistics are then the checkpoint's)
@@ -561,7 +565,7 @@ class GradientAccumulationLogic(_LogicBase):
         warn = self._api.rank_zero_warn
         batch = self._batch
         entry = SavedState.save(
-            self._accumulator, mid_batch=batch.recorded, before_backward=not batch.ended, warn=warn
+            self._accumulator, mid_batch=batch.recorded, in_batch=not batch.ended, warn=warn
         )
         entry["plan"] = self.plan.state_dict()  # where training stands, inside a window too
         return entry

@@ -20,7 +20,6 @@ as the callback of the chosen namespace, with the same arguments. The command al
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import os
 import sys
 import warnings
@@ -34,10 +33,10 @@ from jsonargparse import get_loader, set_loader
 
 from .callback import GradientAccumulationLogic
 from .compatibility import SCHEDULER_CONFLICT
-from .core.versions import JSONARGPARSE_FLOOR, check_version
+from .core.versions import JSONARGPARSE_FLOOR, require
 from .namespaces import LIGHTNING, NAMESPACES, PYTORCH_LIGHTNING, installed, namespace_of
 
-check_version("jsonargparse", importlib.metadata.version("jsonargparse"), JSONARGPARSE_FLOOR)
+require("jsonargparse", JSONARGPARSE_FLOOR)
 
 NAMESPACE_FLAG = "--namespace"
 _NAMESPACE_NAMES = {

@@ -89,7 +89,7 @@ class SavedState:
         *,
         mid_batch: bool,
         warn: Callable[[str], Any],
-        before_backward: bool = False,
+        in_batch: bool = False,
     ) -> dict[str, Any]:
         """The entry: counters and the open window (tensors and numbers: ``weights_only=True`` loads it).
 
@@ -99,10 +99,10 @@ class SavedState:
             accumulator: The accumulator of the current fit, or ``None``.
             mid_batch: Whether a micro-batch was recorded in a batch that has not ended.
             warn: Warns once (on rank zero) that such a save cannot resume exactly.
-            before_backward: Whether a batch started and has not ended (its micro-batch not recorded yet).
+            in_batch: Whether a batch started and has not ended (``mid_batch`` too, once it is recorded).
         """
         window = accumulator.window_state_dict() if accumulator is not None else None
-        if before_backward and not mid_batch:
+        if in_batch and not mid_batch:  # before the micro-batch's backward
             warn(
                 "This checkpoint is taken inside a batch that has not ended (an exception in"
                 " `on_train_batch_start` or `training_step`, saved by `OnExceptionCheckpoint`?). Lightning"
@@ -134,13 +134,12 @@ class SavedState:
         self.counters = state_dict.get("accumulator")
         self.window = state_dict.get("window")
 
-    def stats(self, accumulation_steps: int) -> AccumulationStats | None:
-        """The loaded checkpoint's statistics, before an accumulator takes them (``None`` if none is held).
+    def stats(self, accumulation_steps: int) -> AccumulationStats:
+        """The loaded checkpoint's statistics, before an accumulator takes them (a checkpoint must be held).
 
         What a fit that trains nothing (its checkpoint's run is finished) reports.
         """
-        if self.counters is None:
-            return None
+        assert self.counters is not None, "no checkpoint's statistics are held"
         statistics = RunStatistics(torch.device("cpu"), torch.float64)
         statistics.load_state_dict(self.counters)
         return statistics.snapshot(accumulation_steps=accumulation_steps)

@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import ClassVar
 
 from .namespaces import LIGHTNING, installed
@@ -30,9 +29,9 @@ if not installed(LIGHTNING):
 import lightning.pytorch as L  # after the check, for its message
 
 from .callback import GradientAccumulationLogic, estimated_stepping_batches
-from .core.versions import LIGHTNING_FLOOR, check_version
+from .core.versions import LIGHTNING_FLOOR, require
 
-check_version("lightning", importlib.metadata.version("lightning"), LIGHTNING_FLOOR)
+require("lightning", LIGHTNING_FLOOR)
 
 
 class GradientAccumulationCallback(GradientAccumulationLogic, L.Callback):  # type: ignore[misc]

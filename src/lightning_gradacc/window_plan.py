@@ -335,17 +335,13 @@ class WindowPlan:
         position, restored, self._restored = self.position, self._restored, False
         if position.batches_in_window and self._policy.per_window:
             self._write(trainer, position.window_k, position.lightning_k)
-        elif restored and self._policy.per_window:
-            # Lightning's restarted epoch loop asks whether the saved batch stepped (`ready % K == 0`) to
-            # advance its logging step: it must see the K it ran that window with; the next window opening
-            # writes its own
-            k = self._k_now(trainer)
-            assert k is not None
-            self._write(trainer, k, position.lightning_k)
         else:
             k = self._k_now(trainer)
             assert k is not None
-            self._write(trainer, k, k)
+            # Restored between windows, Lightning's restarted epoch loop asks whether the saved batch stepped
+            # (`ready % K == 0`) to advance its logging step: it must see the K it ran that window with (the
+            # next window opening writes its own)
+            self._write(trainer, k, position.lightning_k if restored and self._policy.per_window else k)
         self._hook_optimizers(trainer.optimizers)
 
     def epoch_start(self, trainer: pl.Trainer) -> None:
@@ -397,11 +393,10 @@ class WindowPlan:
         position.steps += 1
         self._items_before, self._closed_unstepped = position.items, True  # this window's step's index
         if self._counts_items:
-            position.items += accumulator.statistic("items_last_step")
+            window_items = accumulator.statistic("items_last_step")
+            position.items += window_items
             if not self._budget_checked:
-                self._check_schedule_budget(
-                    accumulator.statistic("items_last_step"), position.batches_in_window
-                )
+                self._check_schedule_budget(window_items, position.batches_in_window)
         position.batches_in_window = 0
         if policy.adaptive:
             policy.window_closed(

@@ -18,20 +18,18 @@ module imports back the one that wires them together:
 - ``accumulator``: :class:`GradAccumulator`, which wires them together.
 """
 
-import torch as _torch
-
 from .accumulator import GradAccumulator
 from .boundary import apply_, clip_grads_, decide, measure
 from .kernels import clamp_, group_by_device_and_dtype, scale_, total_norm
 from .statistics import AccumulationStats, PeakMemory
 from .store import WindowGradients
 from .versions import TORCH_FLOOR as _TORCH_FLOOR
-from .versions import check_version as _check_version
+from .versions import require as _require
 from .weighting import ItemCount, ItemWeighting
 from .window import Window, WindowClosedError, WindowState
 from .window_end import GradientOverflowError
 
-_check_version("torch", _torch.__version__, _TORCH_FLOOR)
+_require("torch", _TORCH_FLOOR)
 
 __all__ = [
     "AccumulationStats",

@@ -9,6 +9,7 @@ a ``max_epochs=-1`` fit with ``StochasticWeightAveraging`` at epoch 0: docs/limi
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 
 TORCH_FLOOR = (2, 9)
@@ -38,3 +39,18 @@ def check_version(package: str, version: str, floor: tuple[int, ...]) -> None:
         f"lightning_gradacc needs {package}>={wanted}, but {package} {version} is installed:"
         f" `pip install '{package}>={wanted}'`."
     )
+
+
+def require(distribution: str, floor: tuple[int, ...]) -> None:
+    """:func:`check_version` for the installed ``distribution`` (its version as pip installed it).
+
+    A module importable without an installed distribution (a source tree on ``sys.path``) is not checked.
+
+    Example:
+        >>> require("torch", TORCH_FLOOR)
+    """
+    try:
+        version = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return
+    check_version(distribution, version, floor)
