@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .core import AccumulationStats, GradAccumulator
-from .core.checkpoint import FORMAT_VERSION
+from .core.checkpoint import check_format
 from .core.settings import AccumulationSettings
 from .core.statistics import RunStatistics
 
@@ -119,20 +119,21 @@ class SavedState:
                 " so a resume from it is not exact. Checkpoints taken at a batch's end resume exactly."
             )
         return {
-            "version": FORMAT_VERSION,
             "accumulator": accumulator.state_dict() if accumulator is not None else None,
             "window": window,
         }
 
     def load(self, state_dict: dict[str, Any]) -> None:
-        """Keep a checkpoint's entry for the next accumulator; refuse another format version."""
-        if state_dict.get("version") != FORMAT_VERSION:
-            raise ValueError(
-                f"Cannot load `GradientAccumulationCallback` state of version {state_dict.get('version')!r};"
-                f" this version reads {FORMAT_VERSION}."
-            )
-        self.counters = state_dict.get("accumulator")
-        self.window = state_dict.get("window")
+        """Keep a checkpoint's entry for the next accumulator; refuse another format version now.
+
+        Each part carries the format version (see ``core.checkpoint.stamp``); it is checked here, at the
+        load, not when a later accumulator takes the part.
+        """
+        counters, window = state_dict.get("accumulator"), state_dict.get("window")
+        for part, what in ((counters, "accumulator state"), (window, "pending accumulation window")):
+            if part is not None:
+                check_format(part, what)
+        self.counters, self.window = counters, window
 
     def stats(self, accumulation_steps: int) -> AccumulationStats:
         """The loaded checkpoint's statistics, before an accumulator takes them (a checkpoint must be held).

@@ -15,8 +15,8 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .core.settings import ScheduleUnit, check_bool, check_choice, check_positive_int, check_schedule
@@ -75,7 +75,7 @@ class WindowFacts:
     world_size: int
     items: float
     noise_scale: float
-    ridden: tuple[float, ...] = ()
+    ridden: Mapping[str, float] = field(default_factory=dict)
 
 
 def _value_at(schedule: dict[int, int], count: float) -> int:
@@ -138,8 +138,8 @@ class KPolicy:
         """Where training stands in the policy, for the summary (``None``: nothing to say)."""
         return None
 
-    def batch_started(self) -> list[float] | None:
-        """A batch starts: numbers to sum over the ranks with the window's totals (``None``: nothing)."""
+    def batch_started(self) -> dict[str, float] | None:
+        """A batch starts: numbers by name to sum over the ranks with the window's totals (``None``: none)."""
         return None
 
     def epoch_started(self) -> None:
@@ -421,6 +421,10 @@ class AutoSettings:
             raise TypeError(f"Expected argument `auto.clock` to be callable, but got {self.clock!r}.")
 
 
+# "goodput"'s batch times since the last boundary, summed over the ranks with the window's totals
+TIMINGS = ("accumulating_seconds", "accumulating_batches", "stepping_seconds", "stepping_batches")
+
+
 class AutoK(KPolicy):
     """K chosen window by window from the measured gradient noise scale (``accumulation_steps="auto"``).
 
@@ -461,7 +465,7 @@ class AutoK(KPolicy):
         self.trajectory: list[tuple[int, float, int]] = [(0, 0.0, self.k)]  # (step, items, K) at each change
         self.t_micro = math.nan  # seconds: an accumulating micro-batch, and a step's extra (goodput)
         self.t_step = math.nan
-        self._timed = [0.0] * 4  # since the last boundary: accumulating s, count, stepping s, count
+        self._timed = dict.fromkeys(TIMINGS, 0.0)  # since the last boundary
         self._last_start: float | None = None  # the clock at the last batch start
         self._last_closed = False  # whether a window closed since then (the batch was a stepping one)
         self._carried: float | None = None  # a resumed batch's seconds before the save (clocks do not carry)
@@ -519,18 +523,18 @@ class AutoK(KPolicy):
 
     # -------------------------------------------------------------------------------- measuring time
 
-    def batch_started(self) -> list[float] | None:
+    def batch_started(self) -> dict[str, float] | None:
         """Time the batch that just ended; with ``"goodput"`` the sums since the last boundary ride along."""
         if self.settings.rule != "goodput":
             return None
         now = self.clock()
         seconds = now - self._last_start if self._last_start is not None else self._carried
         if seconds is not None:
-            at = 2 if self._last_closed else 0  # the batch before was a window's last one
-            self._timed[at] += seconds
-            self._timed[at + 1] += 1.0
+            kind = "stepping" if self._last_closed else "accumulating"  # the batch before closed a window
+            self._timed[f"{kind}_seconds"] += seconds
+            self._timed[f"{kind}_batches"] += 1.0
         self._last_start, self._last_closed, self._carried = now, False, None
-        return list(self._timed)
+        return dict(self._timed)
 
     def epoch_started(self) -> None:
         """The time between epochs (validation, the loader's start) is no batch's."""
@@ -579,12 +583,13 @@ class AutoK(KPolicy):
             return min(powers, key=lambda p: abs(math.log2(p) - math.log2(bounded)))
         return int(math.floor(bounded) if settings.rule == "budget" else round(bounded))
 
-    def _take_times(self, ridden: Sequence[float]) -> None:
+    def _take_times(self, ridden: Mapping[str, float]) -> None:
         """Fold the batch times summed over the ranks into running means (t_micro, and a step's extra)."""
-        self._timed = [0.0] * 4
-        if len(ridden) != 4:
+        self._timed = dict.fromkeys(TIMINGS, 0.0)
+        if set(ridden) != set(TIMINGS):
             return
-        micro_seconds, micro_count, step_seconds, step_count = ridden
+        micro_seconds, micro_count = ridden["accumulating_seconds"], ridden["accumulating_batches"]
+        step_seconds, step_count = ridden["stepping_seconds"], ridden["stepping_batches"]
         if micro_count > 0:
             micro = micro_seconds / micro_count
             self.t_micro = micro if math.isnan(self.t_micro) else 0.9 * self.t_micro + 0.1 * micro
@@ -624,7 +629,7 @@ class AutoK(KPolicy):
             "t_step": self.t_step,
             # goodput's timings of the open window, and of the batch in flight up to the save (a clock's
             # readings mean nothing in another process: the seconds elapsed do)
-            "timed": list(self._timed),
+            "timed": dict(self._timed),
             "in_flight": None if self._last_start is None else self.clock() - self._last_start,
             "last_closed": self._last_closed,
         }
@@ -640,7 +645,10 @@ class AutoK(KPolicy):
         self.batch_items = float(state["batch_items"])
         self.trajectory = [(int(step), float(items), int(k)) for step, items, k in state["trajectory"]]
         self.t_micro, self.t_step = float(state["t_micro"]), float(state["t_step"])
-        self._timed = [float(v) for v in state.get("timed", [0.0] * 4)]
+        timed = state.get("timed", {})
+        if not isinstance(timed, Mapping):  # saved by an earlier release: a list in the order of TIMINGS
+            timed = dict(zip(TIMINGS, timed, strict=True))
+        self._timed = {name: float(timed.get(name, 0.0)) for name in TIMINGS}
         in_flight = state.get("in_flight")
         self._last_start, self._carried = None, None if in_flight is None else float(in_flight)
         self._last_closed = bool(state.get("last_closed", False))

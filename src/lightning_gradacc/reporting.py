@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 from .core import AccumulationStats, GradAccumulator
 
-# Statistics logged under "grad_accum/" with their own names (all but the open window's micro-batches).
-NOISE_STATISTICS = ("noise_scale", "grad_sq_norm_estimate", "trace_sigma_estimate")  # with noise_scale=True
-LOGGED_STATISTICS = tuple(
-    name
-    for name in (*AccumulationStats.__dataclass_fields__, "steps_taken")
-    if name != "open_window_micro_batches" and name not in NOISE_STATISTICS
-)
+# Statistics logged under "grad_accum/" with their own names: as each field of AccumulationStats declares.
+_LOGGED = [f for f in fields(AccumulationStats) if f.metadata["logged"]]
+NOISE_STATISTICS = tuple(f.name for f in _LOGGED if f.metadata["noise"])  # with noise_scale=True
+LOGGED_STATISTICS = (*(f.name for f in _LOGGED if not f.metadata["noise"]), "steps_taken")
 
 
 def step_metrics(

@@ -408,7 +408,7 @@ class WindowPlan:
                     world_size=self._world_size,
                     items=accumulator.statistic("items_last_step"),
                     noise_scale=accumulator.statistic("noise_scale"),
-                    ridden=tuple(accumulator.ridden),
+                    ridden=accumulator.ridden,
                 )
             )
 

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_gradacc import GradAccumulator, GradientAccumulationCallback, estimated_stepping_batches
-from lightning_gradacc.k_policies import AutoK, AutoSettings, WindowFacts
+from lightning_gradacc.k_policies import TIMINGS, AutoK, AutoSettings, WindowFacts
 from tests import helpers as h
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
@@ -41,10 +41,10 @@ AUTO = {"patience": 1, "max_k": 8, "powers_of_two": False}  # K follows the rule
 
 
 def facts(
-    noise_scale: float, *, b: float = 32.0, k: int = 2, world: int = 1, ridden: Any = ()
+    noise_scale: float, *, b: float = 32.0, k: int = 2, world: int = 1, ridden: Any = None
 ) -> WindowFacts:
     """A full window of ``k`` micro-batches of ``b`` items on each of ``world`` ranks."""
-    return WindowFacts(1, 0.0, k, k, world, b * k * world, noise_scale, tuple(ridden))
+    return WindowFacts(1, 0.0, k, k, world, b * k * world, noise_scale, dict(ridden or {}))
 
 
 def decided(settings: AutoSettings, *windows: WindowFacts, world: int = 1) -> AutoK:
@@ -80,7 +80,11 @@ def test_the_goodput_rule_from_the_times_summed_over_ranks(powers_of_two: bool, 
     """Two ranks timed 20 accumulating micro-batches (25 s: 1.25 s each) and 2 stepping ones (2 x 13.25 s:
     12 s more each); K* = sqrt(12 x 200 / (1.25 x 2 x 2)) = 21.9 = 2^4.45: nearer 16 than 32 in log scale."""
     settings = AutoSettings(rule="goodput", patience=1, powers_of_two=powers_of_two)
-    policy = decided(settings, facts(200.0, b=2.0, world=2, ridden=(25.0, 20.0, 26.5, 2.0)), world=2)
+    policy = decided(
+        settings,
+        facts(200.0, b=2.0, world=2, ridden=dict(zip(TIMINGS, (25.0, 20.0, 26.5, 2.0), strict=True))),
+        world=2,
+    )
     metrics = policy.metrics()
     assert metrics["auto_t_micro"] == 1.25 and metrics["auto_t_step"] == 12.0
     assert policy.k == expected
@@ -111,7 +115,12 @@ def test_the_controller_s_saved_state_decides_the_rest_as_the_uninterrupted_one(
     """Saved after any window (a new target pending or not, timings averaged), loaded into the controller
     of a new fit: the K and the logged values of every later window are the uninterrupted controller's."""
     settings = AutoSettings(rule="goodput", patience=2, powers_of_two=False)
-    windows = [facts(50.0 * (i % 5 + 1), b=4.0, ridden=(3.0 * (i + 1), 3.0, 20.0, 1.0)) for i in range(12)]
+    windows = [
+        facts(
+            50.0 * (i % 5 + 1), b=4.0, ridden=dict(zip(TIMINGS, (3.0 * (i + 1), 3.0, 20.0, 1.0), strict=True))
+        )
+        for i in range(12)
+    ]
     whole = decided(settings)
     trace = []
     for window in windows:

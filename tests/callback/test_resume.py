@@ -157,7 +157,7 @@ def _tamper(path: Path, change: Any) -> Path:
         (lambda s: s["window"].update(version=99), "format version 99"),
         (lambda s: s["window"].update(world_size=2), "accumulated on 2 rank"),
         (lambda s: s["window"].update(kind="buffers"), "accumulated in accumulation buffers"),
-        (lambda s: s.update(version=7), "state of version 7"),
+        (lambda s: s["accumulator"].update(version=7), "accumulator state has format version 7"),
     ],
 )
 def test_mismatched_pending_window_is_rejected_and_nothing_changes(

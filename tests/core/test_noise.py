@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_gradacc import GradAccumulator
-from lightning_gradacc.core.noise import NoiseScale, estimate
+from lightning_gradacc.core.noise import TOTALS, NoiseScale, estimate
 from tests import helpers as h
 from tests.helpers import cuda_only, noise_data, noise_loss, noise_net
 
@@ -34,9 +34,11 @@ def test_a_window_of_one_micro_batch_gives_no_estimate(count: Any) -> None:
 
 def test_the_averages_skip_windows_without_an_estimate() -> None:
     noise = NoiseScale(0.5, torch.device("cpu"), torch.float64)
-    first = noise.update([10.0, 2.0, 2.0, 2.0, 2.0, 0.0], 4.0, items=2.0)
+    first = noise.update(dict(zip(TOTALS, [10.0, 2.0, 2.0, 2.0, 2.0, 0.0], strict=True)), 4.0, items=2.0)
     assert (first.grad_sq_norm, first.trace_sigma, first.noise_scale) == (3.0, 2.0, 2.0 / 3.0)
-    nothing = noise.update([4.0, 1.0, 1.0, 1.0, 1.0, 0.0], 4.0, items=1.0)  # one micro-batch
+    nothing = noise.update(
+        dict(zip(TOTALS, [4.0, 1.0, 1.0, 1.0, 1.0, 0.0], strict=True)), 4.0, items=1.0
+    )  # one micro-batch
     assert math.isnan(nothing.grad_sq_norm) and nothing.noise_scale == 2.0 / 3.0
     noise.load_state_dict(noise.state_dict())
     assert noise.noise_scale() == 2.0 / 3.0

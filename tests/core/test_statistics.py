@@ -51,9 +51,8 @@ def test_the_saved_form_round_trips_and_a_bad_one_changes_nothing() -> None:
     restored = RunStatistics(CPU, F64)
     restored.load_state_dict(saved)
     assert restored.snapshot(accumulation_steps=1) == statistics.snapshot(accumulation_steps=1)
-    for bad, message in (({**saved, "version": 2}, "version 2"), ({"version": saved["version"]}, "missing")):
-        with pytest.raises(ValueError, match=message):
-            restored.load_state_dict(bad)
+    with pytest.raises(ValueError, match="missing"):  # the format version is the accumulator's to check
+        restored.load_state_dict({"windows": 1})
     assert restored.windows == 1
 
 

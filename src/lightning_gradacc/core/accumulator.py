@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .buffers import buffers_for
-from .checkpoint import check_open_window, restore_open_window, save_open_window
+from .checkpoint import check_format, check_open_window, restore_open_window, save_open_window, stamp
 from .grad_hooks import BufferHooks
 from .noise import noise_scale_for
 from .parameters import NamedParameters, TrackedParameters
@@ -653,15 +653,16 @@ class GradAccumulator:
             buffer_bytes=self._buffers.nbytes if self._buffers is not None else 0,
         )
 
-    def ride(self, values: list[float]) -> None:
+    def ride(self, values: Mapping[str, float]) -> None:
         """Sum ``values`` over the ranks in the next window's all-reduce (no other); see :attr:`ridden`."""
-        self._end.riders = [float(value) for value in values]
+        self._end.riders = {name: float(value) for name, value in values.items()}
 
     @property
-    def ridden(self) -> list[float]:
-        """The last window's :meth:`ride` values summed over the ranks (syncs if the step did not)."""
+    def ridden(self) -> dict[str, float]:
+        """The last window's :meth:`ride` values by name, summed over the ranks (syncs if the step didn't)."""
         ridden = self._end.ridden
-        return [float(v) for v in (ridden.tolist() if isinstance(ridden, Tensor) else ridden)]
+        values = ridden.tolist() if isinstance(ridden, Tensor) else ridden
+        return {name: float(v) for name, v in zip(self._end.rider_names, values, strict=True)}
 
     def statistic(self, name: str) -> float:
         """One statistic of :attr:`stats` by name, on the host (syncs if the step did not, nothing else)."""
@@ -674,16 +675,18 @@ class GradAccumulator:
 
     def state_dict(self) -> dict[str, Any]:
         """Counters as plain numbers (loadable with ``torch.load(weights_only=True)``)."""
-        return {
-            **self._statistics.state_dict(),
-            "accumulation_steps": self._accumulation_steps,
-            "noise": self._noise.state_dict(),
-            # between windows too: the next window's weights are relative to it (a resume rebases nothing)
-            "weighting": self._weighting.state_dict(),
-        }
+        return stamp(
+            {
+                **self._statistics.state_dict(),
+                "noise": self._noise.state_dict(),
+                # between windows too: the next window's weights are relative to it (a resume rebases nothing)
+                "weighting": self._weighting.state_dict(),
+            }
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore counters saved by :meth:`state_dict`; nothing changes if they do not fit."""
+        check_format(state, "accumulator state")
         self._statistics.check_state(state)
         noise = state.get("noise")
         if noise is not None:

@@ -1,8 +1,8 @@
 """The checkpoint formats: one version number for everything this package saves, and the window check.
 
-``FORMAT_VERSION`` stamps the accumulator's counters, the open window and the callback's state alike,
-and is the one version read (1 and 2 were never released). A format change raises it, and the readers
-say which version they found.
+``FORMAT_VERSION`` is written by :func:`stamp` alone (into the accumulator's counters and its open window, the
+two forms a plain loop saves; the callback's entry holds both) and read by :func:`check_format` alone (1 and 2
+were never released). A format change raises it, and the one reader says which version it found.
 
 The saved window holds its summed gradients (``.grad`` or the buffers) and its counters. Loading it is
 all-or-nothing: every check runs before anything is modified, and the first mismatch is named.
@@ -24,6 +24,35 @@ from .window import NAMES, Window, WindowState
 from .world import World
 
 FORMAT_VERSION = 3
+
+
+def stamp(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with the format version, the one place it is written.
+
+    Example:
+        >>> stamp({"windows": 2})
+        {'version': 3, 'windows': 2}
+    """
+    return {"version": FORMAT_VERSION, **state}
+
+
+def check_format(state: Mapping[str, Any], what: str) -> None:
+    """Raise ``ValueError`` unless ``state`` has this format version, the one place it is read.
+
+    Example:
+        >>> check_format({"version": 2}, "accumulator state")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: The checkpoint's accumulator state has format version 2; this version of ... reads 3.
+    """
+    version = state.get("version") if isinstance(state, Mapping) else None
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"The checkpoint's {what} has format version {version!r}; this version of lightning_gradacc reads"
+            f" {FORMAT_VERSION}."
+        )
+
+
 # what a saved window must hold besides its version, kind, ranks and tensors: its micro-batches, its
 # quantities (as the window declares them) and the scales its sums carry
 _WINDOW_KEYS = ("micro_batches", *NAMES, "loss_scale", "amp_scale")
@@ -56,12 +85,7 @@ def check_window_state(
         ...
         ValueError: The checkpoint's pending window was accumulated on 2 rank(s), but this run has 1. ...
     """
-    version = state.get("version")
-    if version != FORMAT_VERSION:
-        raise ValueError(
-            f"The checkpoint's pending accumulation window has format version {version!r}; this version of"
-            f" lightning_gradacc reads {FORMAT_VERSION}."
-        )
+    check_format(state, "pending accumulation window")
     if state.get("kind") != kind:
         where = {"grads": "`.grad` (no accumulation_dtype)", "buffers": "accumulation buffers"}
         saved = where.get(str(state.get("kind")), repr(state.get("kind")))
@@ -191,18 +215,19 @@ def save_open_window(
             continue
         local = tensor.detach() if tensor is not None else torch.zeros_like(param, dtype=dtype)
         tensors[name] = summed(local).cpu()
-    return {
-        "version": FORMAT_VERSION,
-        "kind": "buffers" if in_buffers else "grads",
-        "world_size": world_size,
-        "micro_batches": window.micro_batches,
-        **window.tally.saved(summed),  # each quantity, summed over ranks where the ranks' parts differ
-        **weighting.state_dict(),
-        **scale.state_dict(),
-        "tensors": tensors,
-        "sharded": sharded,  # whole gradients of sharded parameters: every rank takes its shard at load
-        **({"noise": totals} if noise is not None and (totals := noise.window_state(summed)) else {}),
-    }
+    return stamp(
+        {
+            "kind": "buffers" if in_buffers else "grads",
+            "world_size": world_size,
+            "micro_batches": window.micro_batches,
+            **window.tally.saved(summed),  # each quantity, summed over ranks where the ranks' parts differ
+            **weighting.state_dict(),
+            **scale.state_dict(),
+            "tensors": tensors,
+            "sharded": sharded,  # whole gradients of sharded parameters: every rank takes its shard at load
+            **({"noise": totals} if noise is not None and (totals := noise.window_state(summed)) else {}),
+        }
+    )
 
 
 def _expected(

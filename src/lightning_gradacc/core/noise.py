@@ -98,7 +98,7 @@ def _is_zero(value: Scalar) -> bool:
     return not isinstance(value, Tensor) and value == 0
 
 
-# The per-window totals, in this order, summed over ranks: what S and the two β need.
+# The per-window totals, summed over ranks: what S and the two β need (a vector in this order, read by name).
 TOTALS = (
     "measured_small",  # Σ b|g|² over the measured micro-batches
     "measured_items",  # Σ b over them
@@ -107,6 +107,7 @@ TOTALS = (
     "inverse_items",  # Σ 1/b over them (β_W of "mean")
     "unusable",  # > 0: the window cannot be measured (see `record`)
 )
+_SMALL = TOTALS.index("measured_small")  # where the device sums of the measured micro-batches go
 
 
 class NoiseScale:
@@ -135,8 +136,9 @@ class NoiseScale:
         >>> noise.begin_backward()
         >>> (weight * torch.tensor([1.0, 3.0])).sum().backward()
         >>> noise.record(items=1.0, weight=1.0, scale=1.0)
-        >>> round(float(noise.window_totals()[0]), 4)  # Σ b |g|²: 1 item, |g|² = 1 + 9
-        10.0
+        >>> totals = dict(zip(TOTALS, noise.window_totals().tolist()))
+        >>> round(totals["measured_small"], 4), totals["micro_batches"]  # Σ b |g|²: 1 item, |g|² = 1 + 9
+        (10.0, 1.0)
         >>> noise.remove_hooks()
     """
 
@@ -259,14 +261,15 @@ class NoiseScale:
             if not self.weighted:  # "mean": a zero gradient counted as a micro-batch mean
                 self._unusable = True
             return
-        self._host[3] += 1.0
-        self._host[4] += 1.0 / count
+        host = self._host
+        host["micro_batches"] += 1.0
+        host["inverse_items"] += 1.0 / count
         if not measured or factor == 0:
             return
         squared = torch.stack(parts).to(self.dtype).square().sum()
         self._small.append(squared * (count / (factor * factor)))
-        self._host[1] += count
-        self._host[2] += 1.0
+        host["measured_items"] += count
+        host["measured"] += 1.0
 
     def _record_tensors(self, parts: list[Tensor], count: Scalar, factor: Scalar) -> None:
         """:meth:`record` for a count or scale that is a device tensor: every term stays on the device."""
@@ -280,24 +283,22 @@ class NoiseScale:
         zero = full(0.0)
         # a micro-batch without items: nothing under "weighted", an unusable window otherwise
         unusable = zero if self.weighted else (~has_items).to(self.dtype)
-        row = [
-            zero,
-            zero,
-            zero,
-            has_items.to(self.dtype),
-            torch.where(has_items, 1 / safe_count, zero),
-            unusable,
-        ]
+        row = {
+            "measured_small": zero,
+            "measured_items": zero,
+            "measured": zero,
+            "micro_batches": has_items.to(self.dtype),
+            "inverse_items": torch.where(has_items, 1 / safe_count, zero),
+            "unusable": unusable,
+        }
         if parts:
             ok = has_items & (factor_t != 0)
             squared = torch.stack(parts).to(self.dtype).square().sum()
             unscaled = squared / torch.where(ok, factor_t, 1.0).square()
-            row[:3] = [
-                torch.where(ok, safe_count * unscaled, zero),
-                torch.where(ok, count_t, zero),
-                ok.to(self.dtype),
-            ]
-        self._rows.append(torch.stack(row))
+            row["measured_small"] = torch.where(ok, safe_count * unscaled, zero)
+            row["measured_items"] = torch.where(ok, count_t, zero)
+            row["measured"] = ok.to(self.dtype)
+        self._rows.append(torch.stack([row[name] for name in TOTALS]))
 
     def _full(self, value: float) -> Tensor:
         return torch.full((), float(value), dtype=self.dtype, device=self.device)  # a fill: no copy, no sync
@@ -313,11 +314,10 @@ class NoiseScale:
         return totals
 
     def _open_totals(self) -> Tensor:
-        host = list(self._host)
-        host[5] = 1.0 if self._unusable else 0.0
-        totals = torch.stack([self._full(value) for value in host])  # fills: no host-to-device copy
+        host = {**self._host, "unusable": 1.0 if self._unusable else 0.0}
+        totals = torch.stack([self._full(host[name]) for name in TOTALS])  # fills: no host-to-device copy
         if self._small:
-            totals[0] += torch.stack(self._small).sum()
+            totals[_SMALL] += torch.stack(self._small).sum()
         if self._rows:
             totals += torch.stack(self._rows).sum(dim=0)
         return totals
@@ -329,7 +329,7 @@ class NoiseScale:
         the totals are summed over the ranks at the boundary anyway.
         """
         return {
-            "totals": [float(v) for v in summed(self._open_totals()).tolist()],
+            "totals": dict(zip(TOTALS, summed(self._open_totals()).tolist(), strict=True)),
             "micro_batches": self._micro_batches_recorded,
             "unit_missing": self._unit_missing,
         }
@@ -339,9 +339,12 @@ class NoiseScale:
         if state is None:
             self.mark_unusable()
             return
-        totals = [float(v) for v in state["totals"]]
-        self._host = totals if primary else [0.0] * len(TOTALS)
-        self._unusable = primary and totals[5] > 0
+        saved = state["totals"]
+        if not isinstance(saved, Mapping):  # saved by an earlier release: a list in the order of TOTALS
+            saved = dict(zip(TOTALS, saved, strict=True))
+        totals = {name: float(saved[name]) for name in TOTALS}
+        self._host = totals if primary else dict.fromkeys(TOTALS, 0.0)
+        self._unusable = primary and totals["unusable"] > 0
         self._micro_batches_recorded = int(state["micro_batches"])
         self._unit_missing = bool(state["unit_missing"])
 
@@ -353,7 +356,7 @@ class NoiseScale:
         """Forget the open window's micro-batches."""
         self._small: list[Tensor] = []  # per measured micro-batch with host numbers: b |g|² (device)
         self._rows: list[Tensor] = []  # per micro-batch with a device count or scale: its TOTALS row
-        self._host = [0.0] * len(TOTALS)  # the host numbers' part of TOTALS (the first stays 0)
+        self._host = dict.fromkeys(TOTALS, 0.0)  # the host numbers' part of TOTALS ("measured_small" stays 0)
         self._micro_batches_recorded = 0
         self._unit_missing = False
         self._unusable = False
@@ -419,7 +422,8 @@ class NoiseScale:
             items: B, the window's items over ranks.
         """
         assert totals is not None
-        parts: list[Scalar] = list(totals.unbind()) if isinstance(totals, Tensor) else list(totals)
+        values = totals.unbind() if isinstance(totals, Tensor) else totals
+        parts: dict[str, Scalar] = dict(zip(TOTALS, values, strict=True))
         if l2_norm is not None:  # |G_W|: the L2 twin of the p-norm, scaled as the final gradient is
             scale: Any = abs(factor)  # a number or a device scalar
             norm = l2_norm * scale
@@ -433,7 +437,7 @@ class NoiseScale:
 
     # -------------------------------------------------------------------------------- per window
 
-    def update(self, totals: Sequence[Scalar], big_sq_norm: Scalar, *, items: Scalar) -> NoiseEstimate:
+    def update(self, totals: Mapping[str, Scalar], big_sq_norm: Scalar, *, items: Scalar) -> NoiseEstimate:
         """Estimate from one window's :data:`TOTALS` (summed over ranks) and fold into the averages.
 
         Args:
@@ -441,13 +445,16 @@ class NoiseScale:
             big_sq_norm: |G_W|² of the window's mean gradient, before clipping.
             items: B, the window's items over ranks (for the weighted β_W).
         """
-        small, small_weight, measured, micro_batches, inverse, unusable = totals
+        micro_batches = totals["micro_batches"]
         if self.weighted:
             beta_big = 1.0 / items if not _is_zero(items) else math.nan
         else:
+            inverse = totals["inverse_items"]
             beta_big = inverse / (micro_batches * micro_batches) if not _is_zero(micro_batches) else math.nan
-        grad_sq_norm, trace_sigma = estimate(small, small_weight, measured, big_sq_norm, beta_big)
-        usable = both(micro_batches >= 2, unusable == 0)
+        grad_sq_norm, trace_sigma = estimate(
+            totals["measured_small"], totals["measured_items"], totals["measured"], big_sq_norm, beta_big
+        )
+        usable = both(micro_batches >= 2, totals["unusable"] == 0)
         grad_sq_norm = _select(usable, grad_sq_norm, math.nan)
         trace_sigma = _select(usable, trace_sigma, math.nan)
         ok = both(is_finite(grad_sq_norm), is_finite(trace_sigma))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterable
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, Literal, get_args
 
 import torch
@@ -388,16 +388,16 @@ class AccumulationSettings:
 SETTINGS = tuple(setting.name for setting in fields(AccumulationSettings))
 
 
-def setting_docs(indent: int = 8) -> str:
-    """Every setting's documentation as the entries of a Google-style ``Args:`` section.
+def doc_entries(declared: Iterable[Field[Any]], indent: int = 8) -> str:
+    """The ``doc`` metadata of dataclass fields as the entries of a Google-style ``Args:``/``Attributes:``.
 
     Example:
-        >>> print(setting_docs(0).splitlines()[0][:40])
+        >>> print(doc_entries(fields(AccumulationSettings), 0).splitlines()[0][:40])
         scaling: ``"mean"`` (alias ``"average"``
     """
     lines = []
-    for setting in fields(AccumulationSettings):
-        words, line = setting.metadata["doc"].split(), f"{setting.name}:"
+    for declaration in declared:
+        words, line = declaration.metadata["doc"].split(), f"{declaration.name}:"
         for word in words:
             if len(line) + 1 + len(word) > 110 - indent - 4 and line.strip():
                 lines.append(" " * indent + line)
@@ -406,6 +406,11 @@ def setting_docs(indent: int = 8) -> str:
                 line += " " + word
         lines.append(" " * indent + line)
     return "\n".join(lines)
+
+
+def setting_docs(indent: int = 8) -> str:
+    """Every setting's documentation as the entries of a Google-style ``Args:`` section."""
+    return doc_entries(fields(AccumulationSettings), indent)
 
 
 def with_setting_docs(doc: str | None, marker: str = "Math settings:") -> str:

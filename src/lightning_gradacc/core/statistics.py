@@ -3,12 +3,12 @@
 :class:`RunStatistics` is the one owner, with one interface: count a micro-batch, close a window (its values
 folded in), sync (copy what waits on the device, in one copy with whatever the step needs), hold a check
 found on the device until that sync, read a value, take a snapshot (:class:`AccumulationStats`), and save or
-restore itself as plain numbers (``torch.load(weights_only=True)`` reads them back) under the package's one
-format version.
+restore itself as plain numbers (``torch.load(weights_only=True)`` reads them back).
 
-Each value-dependent statistic is declared once in :data:`STATISTICS` with how it folds over windows
-(``sum``, ``max`` or ``last``); reset, folding, syncing, the snapshot and the checkpoint form are generic over
-that table. Every value is computed from quantities already summed over ranks, so it is the same on every
+Each statistic is declared once, as a field of :class:`AccumulationStats` with its doc, where it is kept and
+how it folds over windows (``sum``, ``max`` or ``last``); the ledger's table (:data:`STATISTICS`), reset,
+folding, syncing, the snapshot, the checkpoint form and the logged names are loops over those fields.
+Every value is computed from quantities already summed over ranks, so it is the same on every
 rank. A window's values are Python numbers when the accumulator synced anyway (``overflow="skip"`` decides on
 the host), or device scalars otherwise. Device rows wait in a list and are copied to the host in one sync
 when the statistics are read (or every :data:`MAX_PENDING` windows, to bound memory); no kernel runs per
@@ -28,7 +28,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 try:
@@ -40,8 +40,41 @@ import psutil
 import torch
 from torch import Tensor
 
-from .checkpoint import FORMAT_VERSION
 from .scalars import Scalar
+from .settings import doc_entries
+
+Fold = Literal["sum", "max", "last"]
+Kept = Literal["window", "count", "now"]
+
+
+def statistic(
+    default: float,
+    doc: str,
+    *,
+    kept: Kept = "window",
+    fold: Fold = "last",
+    empty: float | None = None,
+    follows: str | None = None,
+    logged: bool = True,
+    noise: bool = False,
+) -> Any:
+    """A field of :class:`AccumulationStats`: its default, where it is kept, how it folds, its one doc.
+
+    Args:
+        default: Its value before the first window (``nan``: nothing has measured it yet); an ``int``
+            default makes an integer field.
+        doc: Its documentation (the class's ``Attributes`` and the README's table are made from it).
+        kept: ``"window"``: computed from each window's values and folded over windows by the ledger;
+            ``"count"``: a host counter of :class:`RunStatistics` (saved and restored with it); ``"now"``: a
+            fact of the accumulator at the snapshot (K, the open window), neither folded nor saved.
+        fold: How windows fold into a ``"window"`` statistic: ``"sum"`` (a counter), ``"max"`` or ``"last"``.
+        empty: What a window without micro-batches folds in (``None``: nothing; it keeps its value).
+        follows: Another statistic whose every new value this one folds too (``max`` of a ``last``).
+        logged: Whether the callback logs it (under ``grad_accum/``).
+        noise: Logged only with ``noise_scale=True``.
+    """
+    metadata = {"doc": doc, "kept": kept, "fold": fold, "empty": empty, "follows": follows}
+    return field(default=default, metadata={**metadata, "logged": logged, "noise": noise})
 
 
 def _comparable(value: float) -> object:
@@ -51,47 +84,11 @@ def _comparable(value: float) -> object:
 
 @dataclass(frozen=True, eq=False)
 class AccumulationStats:
-    """A snapshot of the accumulator's statistics.
+    """A snapshot of the accumulator's statistics, each declared once below with its fold and its doc.
 
-    Attributes:
-        accumulation_steps: Micro-batches per window now (K).
-        open_window_micro_batches: Micro-batches recorded in the window that is still open.
-        windows: Windows closed: stepped, skipped (not finite) or empty (nothing in them).
-        steps_taken: Windows that ended in an optimizer step (``windows - skipped_steps - empty_windows``).
-        total_micro_batches: Micro-batches recorded since creation (re-evaluations by LBFGS not counted).
-        skipped_steps: Windows not stepped because their gradient was not finite (by the accumulator, or
-            by a ``GradScaler``).
-        non_finite_windows: Windows whose accumulated gradient was not finite (skipped or not, depending on
-            ``overflow``).
-        dropped_micro_batches: Micro-batches dropped by ``overflow="skip_micro_batch"``.
-        empty_windows: Windows that took no step because nothing was in them: every ``training_step``
-            returned ``None`` (or backward was skipped, as in ``StochasticWeightAveraging``'s BatchNorm
-            epoch), or ``scaling="weighted"`` counted 0 items in total.
-        clipped_steps: Windows whose gradient clipping changed (with ``clip_mode="micro_batch"``: where it
-            changed some micro-batch's gradient).
-        last_grad_norm: Total gradient norm of the last window, after scaling and before clipping.
-        max_grad_norm_seen: Largest finite ``last_grad_norm`` so far.
-        items_last_step: Items (samples, tokens) in the last window, summed over ranks: the real effective
-            batch size (a float: counts such as ``attention_mask.float().sum()`` need not be integers).
-        items_last_full_step: Items in the last window that held K micro-batches, summed over ranks: what
-            a full optimizer step holds (``items_last_step`` is often an epoch's shorter, last window).
-        micro_batches_last_step: Micro-batches in the last window (k, which is < K for a partial window).
-        num_parameters: Trainable parameter elements tracked: the whole model's, also when FSDP shards it
-            (not this rank's shards).
-        buffer_bytes: Extra memory held by the accumulator (0: gradients accumulate in ``.grad``).
-        peak_memory_bytes: The process's peak memory on the gradients' device so far: the CUDA
-            allocator's peak on GPU (since the process started or the user last called
-            ``torch.cuda.reset_peak_memory_stats``), the process's resident-set peak on CPU. Read when the
-            statistics are read; this package never resets a process-wide counter, so it is not a
-            window's peak.
-        noise_scale: The gradient noise scale B_simple = tr(Σ) / |G|² in items (samples, tokens: what the
-            item counts count), from bias-corrected exponential averages of the two estimates below
-            (``noise_scale=True``; ``nan`` until a window of at least 2 micro-batches gave one). It
-            predicts the critical batch size (McCandlish et al. 2018).
-        grad_sq_norm_estimate: The last window's unbiased estimate of |G|², the squared norm of the true
-            gradient (may be negative: it is a noisy estimate).
-        trace_sigma_estimate: The last window's unbiased estimate of tr(Σ), the summed variance of one
-            item's gradient (may be negative).
+    A new statistic is one field here (:func:`statistic`) and one value in the window's end
+    (``WindowEnd._account``): folding, syncing, the snapshot, the checkpoint form and the logged names are
+    loops over these fields.
 
     Example:
         >>> stats = AccumulationStats(accumulation_steps=4, windows=3, skipped_steps=1)
@@ -99,30 +96,107 @@ class AccumulationStats:
         (2, 4)
     """
 
-    accumulation_steps: int = 1
-    open_window_micro_batches: int = 0
-    windows: int = 0
-    total_micro_batches: int = 0
-    skipped_steps: int = 0
-    non_finite_windows: int = 0
-    dropped_micro_batches: int = 0
-    empty_windows: int = 0
-    clipped_steps: int = 0
-    last_grad_norm: float = 0.0
-    max_grad_norm_seen: float = 0.0
-    items_last_step: float = 0.0
-    items_last_full_step: float = 0.0
-    micro_batches_last_step: int = 0
-    num_parameters: int = 0
-    buffer_bytes: int = 0
-    peak_memory_bytes: int = 0
-    noise_scale: float = math.nan
-    grad_sq_norm_estimate: float = math.nan
-    trace_sigma_estimate: float = math.nan
+    accumulation_steps: int = statistic(1, "Micro-batches per window now (K).", kept="now")
+    open_window_micro_batches: int = statistic(
+        0, "Micro-batches recorded in the window that is still open.", kept="now", logged=False
+    )
+    windows: int = statistic(
+        0, "Windows closed: stepped, skipped (not finite) or empty (nothing in them).", kept="count"
+    )
+    total_micro_batches: int = statistic(
+        0, "Micro-batches recorded since creation (re-evaluations by LBFGS not counted).", kept="count"
+    )
+    skipped_steps: int = statistic(
+        0,
+        "Windows not stepped because their gradient was not finite (by the accumulator, or by a"
+        " ``GradScaler``).",
+        fold="sum",
+    )
+    non_finite_windows: int = statistic(
+        0,
+        "Windows whose accumulated gradient was not finite (skipped or not, depending on ``overflow``).",
+        fold="sum",
+    )
+    dropped_micro_batches: int = statistic(
+        0, 'Micro-batches dropped by ``overflow="skip_micro_batch"``.', fold="sum"
+    )
+    empty_windows: int = statistic(
+        0,
+        "Windows that took no step because nothing was in them: every ``training_step`` returned ``None``"
+        " (or backward was skipped, as in ``StochasticWeightAveraging``'s BatchNorm epoch), or"
+        ' ``scaling="weighted"`` counted 0 items in total.',
+        fold="sum",
+        empty=1.0,
+    )
+    clipped_steps: int = statistic(
+        0,
+        'Windows whose gradient clipping changed (with ``clip_mode="micro_batch"``: where it changed some'
+        " micro-batch's gradient).",
+        fold="sum",
+    )
+    last_grad_norm: float = statistic(
+        0.0, "Total gradient norm of the last window, after scaling and before clipping.", empty=0.0
+    )
+    max_grad_norm_seen: float = statistic(
+        0.0, "Largest finite ``last_grad_norm`` so far.", fold="max", follows="last_grad_norm"
+    )
+    items_last_step: float = statistic(
+        0.0,
+        "Items (samples, tokens) in the last window, summed over ranks: the real effective batch size (a"
+        " float: counts such as ``attention_mask.float().sum()`` need not be integers).",
+        empty=0.0,
+    )
+    items_last_full_step: float = statistic(
+        0.0,
+        "Items in the last window that held K micro-batches, summed over ranks: what a full optimizer"
+        " step holds (``items_last_step`` is often an epoch's shorter, last window).",
+    )
+    micro_batches_last_step: int = statistic(
+        0, "Micro-batches in the last window (k, which is < K for a partial window).", kept="count"
+    )
+    num_parameters: int = statistic(
+        0,
+        "Trainable parameter elements tracked: the whole model's, also when FSDP shards it (not this"
+        " rank's shards).",
+        kept="now",
+    )
+    buffer_bytes: int = statistic(
+        0, "Extra memory held by the accumulator (0: gradients accumulate in ``.grad``).", kept="now"
+    )
+    peak_memory_bytes: int = statistic(
+        0,
+        "The process's peak memory on the gradients' device so far: the CUDA allocator's peak on GPU"
+        " (since the process started or the user last called ``torch.cuda.reset_peak_memory_stats``), the"
+        " process's resident-set peak on CPU. Read when the statistics are read; this package never resets"
+        " a process-wide counter, so it is not a window's peak.",
+        kept="count",
+    )
+    noise_scale: float = statistic(
+        math.nan,
+        "The gradient noise scale B_simple = tr(Σ) / |G|² in items (samples, tokens: what the item counts"
+        " count), from bias-corrected exponential averages of the two estimates below"
+        " (``noise_scale=True``; ``nan`` until a window of at least 2 micro-batches gave one). It predicts"
+        " the critical batch size (McCandlish et al. 2018).",
+        noise=True,
+    )
+    grad_sq_norm_estimate: float = statistic(
+        math.nan,
+        "The last window's unbiased estimate of |G|², the squared norm of the true gradient (may be"
+        " negative: it is a noisy estimate).",
+        empty=math.nan,
+        noise=True,
+    )
+    trace_sigma_estimate: float = statistic(
+        math.nan,
+        "The last window's unbiased estimate of tr(Σ), the summed variance of one item's gradient (may be"
+        " negative).",
+        empty=math.nan,
+        noise=True,
+    )
 
     @property
     def steps_taken(self) -> int:
-        """Windows that ended in an optimizer step."""
+        """Windows that ended in an optimizer step (``windows - skipped_steps - empty_windows``)."""
         return self.windows - self.skipped_steps - self.empty_windows
 
     def __eq__(self, other: object) -> bool:
@@ -142,6 +216,22 @@ class AccumulationStats:
         values = asdict(self)
         values["steps_taken"] = self.steps_taken
         return values
+
+
+def statistic_docs(indent: int = 8) -> str:
+    """Every field's documentation as the entries of a Google-style ``Attributes:`` section.
+
+    Example:
+        >>> print(statistic_docs(0).splitlines()[0])
+        accumulation_steps: Micro-batches per window now (K).
+    """
+    return doc_entries(fields(AccumulationStats), indent)
+
+
+AccumulationStats.__doc__ = (
+    f"{AccumulationStats.__doc__}\n    Attributes:\n{statistic_docs(8)}\n"
+    "        steps_taken: Windows that ended in an optimizer step (a property).\n"
+)
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -183,44 +273,46 @@ class PeakMemory:
 
 # ------------------------------------------------------------------------------------------ the ledger
 
-Fold = Literal["sum", "max", "last"]
 Deferred = Callable[[], Scalar]  # a "last" value computed only if it is read before the next window
 MAX_PENDING = 1024
 
 
 @dataclass(frozen=True)
 class Statistic:
-    """One value-dependent statistic: its name and how windows fold into it."""
+    """A value-dependent statistic as the ledger folds it (made from an :class:`AccumulationStats` field)."""
 
     name: str
     fold: Fold
+    initial: float = 0.0
+    empty: float | None = None  # what a window without micro-batches folds in
+    follows: str | None = None
 
 
+# The window loss is folded like the others but is not a snapshot field: it is computed only when read.
+WINDOW_LOSS = Statistic("window_loss", "last", math.nan, empty=math.nan)
 STATISTICS = (
-    Statistic("skipped_steps", "sum"),
-    Statistic("non_finite_windows", "sum"),
-    Statistic("dropped_micro_batches", "sum"),
-    Statistic("empty_windows", "sum"),
-    Statistic("clipped_steps", "sum"),
-    Statistic("last_grad_norm", "last"),
-    Statistic("max_grad_norm_seen", "max"),
-    Statistic("items_last_step", "last"),
-    Statistic("items_last_full_step", "last"),  # folded by windows of K micro-batches only
-    Statistic("window_loss", "last"),
-    Statistic("noise_scale", "last"),
-    Statistic("grad_sq_norm_estimate", "last"),
-    Statistic("trace_sigma_estimate", "last"),
+    *(
+        Statistic(f.name, f.metadata["fold"], float(f.default), f.metadata["empty"], f.metadata["follows"])  # type: ignore[arg-type]
+        for f in fields(AccumulationStats)
+        if f.metadata["kept"] == "window"
+    ),
+    WINDOW_LOSS,
 )
-UNMEASURED = ("window_loss", "noise_scale", "grad_sq_norm_estimate", "trace_sigma_estimate")  # nan at first
+COUNTS = tuple(f.name for f in fields(AccumulationStats) if f.metadata["kept"] == "count")  # on the host
+NOW = tuple(f.name for f in fields(AccumulationStats) if f.metadata["kept"] == "now")  # the snapshot's facts
+UNMEASURED = tuple(statistic.name for statistic in STATISTICS if math.isnan(statistic.initial))
 NAMES = tuple(statistic.name for statistic in STATISTICS)
 COUNTERS = tuple(statistic.name for statistic in STATISTICS if statistic.fold == "sum")
+INTEGERS = frozenset(f.name for f in fields(AccumulationStats) if type(f.default) is int)
+EMPTY_WINDOW = {statistic.name: statistic.empty for statistic in STATISTICS if statistic.empty is not None}
 _FOLD = {statistic.name: statistic.fold for statistic in STATISTICS}
+_FOLLOWERS = tuple((s.follows, s.name) for s in STATISTICS if s.follows is not None)
 _COUNTER_SET = frozenset(COUNTERS)
 
 
 def _initial() -> dict[str, float]:
     """Every statistic before the first window: 0, or ``nan`` for what nothing has measured yet."""
-    return dict.fromkeys(NAMES, 0.0) | dict.fromkeys(UNMEASURED, math.nan)
+    return {statistic.name: statistic.initial for statistic in STATISTICS}
 
 
 def _fold(fold: Fold, old: float, new: float) -> float:
@@ -277,10 +369,11 @@ class Ledger:
                 self._deferred[name] = value
             else:
                 host[name] = float(value)
-        if "last_grad_norm" in host:
-            host["max_grad_norm_seen"] = host["last_grad_norm"]
-        elif "last_grad_norm" in device:
-            device["max_grad_norm_seen"] = device["last_grad_norm"]
+        for leader, follower in _FOLLOWERS:  # e.g. the largest norm seen follows each window's norm
+            if leader in host:
+                host[follower] = host[leader]
+            elif leader in device:
+                device[follower] = device[leader]
         if not device and not self._pending:
             self._fold_host(host)
             return
@@ -406,6 +499,10 @@ class Ledger:
 class RunStatistics:
     """Lifetime counters and per-window statistics of one accumulator: the run's statistics' one owner.
 
+    The host counters are :data:`COUNTS` (fields of :class:`AccumulationStats` kept ``"count"``); the
+    value-dependent statistics are the ledger's (:data:`STATISTICS`). Both are saved and restored by loops
+    over those declarations.
+
     Args:
         device: Where device statistics live (and whose memory peak is read).
         dtype: Their dtype (float64, or float32 where the device has none).
@@ -414,6 +511,7 @@ class RunStatistics:
         windows: Windows closed so far.
         total_micro_batches: Micro-batches recorded so far (a re-evaluation counts once).
         micro_batches_last_step: Micro-batches of the last window closed.
+        peak_memory_bytes: The process's memory peak at the last snapshot.
 
     Example:
         >>> statistics = RunStatistics(torch.device("cpu"), torch.float64)
@@ -425,14 +523,17 @@ class RunStatistics:
         2.0
     """
 
+    # the host counters (COUNTS), read on the hot path as plain attributes
+    windows: int
+    total_micro_batches: int
+    micro_batches_last_step: int
+    peak_memory_bytes: int
+
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self._ledger = Ledger(dtype)
         self._memory = PeakMemory(device)  # read when the statistics are read; never reset
-        # counters that never depend on tensor values live on the host
-        self.windows = 0
-        self.total_micro_batches = 0
-        self.micro_batches_last_step = 0
-        self._peak_memory_bytes = 0
+        for name in COUNTS:
+            setattr(self, name, 0)
 
     def record_micro_batch(self, *, reevaluation: bool) -> None:
         """Count a recorded micro-batch (a re-evaluation of the same one counts once)."""
@@ -461,18 +562,8 @@ class RunStatistics:
             self.windows += 1
 
     def close_empty_window(self, *, reevaluation: bool = False) -> None:
-        """Fold a window in which no micro-batch was recorded (counted in ``empty_windows``)."""
-        self.close_window(
-            {
-                "empty_windows": 1.0,
-                "last_grad_norm": 0.0,
-                "items_last_step": 0.0,
-                # nothing was measured: not the last window's values
-                **dict.fromkeys(("window_loss", "grad_sq_norm_estimate", "trace_sigma_estimate"), math.nan),
-            },
-            micro_batches=0,
-            reevaluation=reevaluation,
-        )
+        """Fold a window in which no micro-batch was recorded: each statistic's declared ``empty`` value."""
+        self.close_window(EMPTY_WINDOW, micro_batches=0, reevaluation=reevaluation)
 
     def sync(self, *extra: Tensor) -> list[Any]:
         """Copy what waits on the device, with ``extra`` device scalars or vectors, in one sync; fold it.
@@ -498,65 +589,41 @@ class RunStatistics:
 
         The window loss, computed only when read, comes from :attr:`window_loss`.
         """
-        if name in ("windows", "total_micro_batches", "micro_batches_last_step"):
+        if name in COUNTS:
             return float(getattr(self, name))
         return self._ledger.values(deferred=False)[name]
 
     @property
     def window_loss(self) -> float:
         """Item-weighted mean loss of the last window, over ranks (``nan`` if no loss was recorded)."""
-        return self._ledger.values()["window_loss"]
+        return self._ledger.values()[WINDOW_LOSS.name]
 
-    def snapshot(self, **current: Any) -> AccumulationStats:
-        """A frozen snapshot of the counters and statistics, with the accumulator's ``current`` facts.
+    def snapshot(self, **now: Any) -> AccumulationStats:
+        """A frozen snapshot of the counters and statistics, with the accumulator's facts (:data:`NOW`).
 
         Syncs once if a window closed since the last read.
         """
         ledger = self._ledger.values(deferred=False)
-        ledger.pop("window_loss")  # not a field of the snapshot: see `window_loss`
-        self._peak_memory_bytes = self._memory.read()  # the process's peak so far (a file read)
-        return AccumulationStats(
-            windows=self.windows,
-            total_micro_batches=self.total_micro_batches,
-            micro_batches_last_step=self.micro_batches_last_step,
-            peak_memory_bytes=self._peak_memory_bytes,
-            **current,
-            **{name: int(value) if name in COUNTERS else value for name, value in ledger.items()},  # type: ignore[arg-type]
-        )
+        ledger.pop(WINDOW_LOSS.name)  # not a field of the snapshot: see `window_loss`
+        self.peak_memory_bytes = self._memory.read()  # the process's peak so far (a file read)
+        values = {**ledger, **{name: getattr(self, name) for name in COUNTS}, **now}
+        return AccumulationStats(**{n: int(v) if n in INTEGERS else v for n, v in values.items()})
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters and statistics as plain numbers, with the format version."""
-        return {
-            "version": FORMAT_VERSION,
-            "windows": self.windows,
-            "total_micro_batches": self.total_micro_batches,
-            "micro_batches_last_step": self.micro_batches_last_step,
-            "peak_memory_bytes": self._peak_memory_bytes,
-            **self._ledger.state_dict(),
-        }
+        """The counters and statistics as plain numbers."""
+        return {**{name: getattr(self, name) for name in COUNTS}, **self._ledger.state_dict()}
 
     @staticmethod
-    def check_state(state: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    def check_state(state: Mapping[str, Any]) -> dict[str, int]:
         """The saved counters, converted; ``ValueError`` if ``state`` is not a readable saved form."""
-        version = state.get("version")
-        if version != FORMAT_VERSION:
-            raise ValueError(
-                f"Cannot load accumulator state of version {version!r}; this version reads {FORMAT_VERSION}."
-            )
         missing = [key for key in ("windows", "total_micro_batches", "skipped_steps") if key not in state]
         if missing:
             raise ValueError(f"Accumulator state is missing {missing}.")
-        return (  # every value converted before anything is assigned
-            int(state["windows"]),
-            int(state["total_micro_batches"]),
-            int(state.get("micro_batches_last_step", 0)),
-            int(state.get("peak_memory_bytes", 0)),
-        )
+        return {name: int(state.get(name, 0)) for name in COUNTS}  # converted before anything is assigned
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from counters saved by :meth:`state_dict`; nothing changes if they do not fit."""
-        counters = self.check_state(state)
+        counts = self.check_state(state)
         self._ledger.load_state_dict(state)  # all or nothing itself
-        self.windows, self.total_micro_batches, self.micro_batches_last_step, self._peak_memory_bytes = (
-            counters
-        )
+        for name, value in counts.items():
+            setattr(self, name, value)

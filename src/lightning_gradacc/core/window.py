@@ -275,6 +275,57 @@ class WindowTally:
 Vector = Tensor | list[float]  # a device vector, or its values on the host
 
 
+class Packet:
+    """Named numbers of several owners summed over the ranks in one all-reduce, and given back by owner.
+
+    Each owner adds its numbers under its names (the window its :data:`SUMMED` quantities, a K policy its
+    riders, the noise scale its totals as one vector); :meth:`reduce` stacks them once, sums them in one call
+    and hands each owner back its part, in the order of its names. Nothing is addressed by offset outside.
+
+    Example:
+        >>> packet = Packet()
+        >>> packet.scalars("window", ("items",), [torch.tensor(3.0)])
+        >>> packet.vector("noise", ("a", "b"), torch.tensor([1.0, 2.0]))
+        >>> parts = packet.reduce(lambda t: t * 2)
+        >>> parts["window"].tolist(), parts["noise"].tolist(), packet.names["noise"]
+        ([6.0], [2.0, 4.0], ('a', 'b'))
+    """
+
+    def __init__(self) -> None:
+        self._scalar_names: dict[str, tuple[str, ...]] = {}
+        self._vector_names: dict[str, tuple[str, ...]] = {}
+        self._scalars: list[Tensor] = []
+        self._vectors: list[Tensor] = []
+
+    @property
+    def names(self) -> dict[str, tuple[str, ...]]:
+        """Each owner's names, in the packet's order (the scalars' owners first)."""
+        return {**self._scalar_names, **self._vector_names}
+
+    def scalars(self, owner: str, names: tuple[str, ...], values: list[Tensor]) -> None:
+        """Add ``owner``'s device scalars (stacked with every other owner's scalars: one stack in all)."""
+        assert owner not in self.names and len(names) == len(values), owner
+        self._scalar_names[owner] = names
+        self._scalars.extend(values)
+
+    def vector(self, owner: str, names: tuple[str, ...], values: Tensor) -> None:
+        """Add ``owner``'s numbers as one device vector (after the scalars)."""
+        assert owner not in self.names and len(names) == values.numel(), owner
+        self._vector_names[owner] = names
+        self._vectors.append(values)
+
+    def reduce(self, all_reduce: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+        """Sum everything over the ranks in one call; each owner's part, a vector in its names' order."""
+        pieces = ([torch.stack(self._scalars)] if self._scalars else []) + self._vectors
+        reduced = all_reduce(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+        parts: dict[str, Tensor] = {}
+        at = 0
+        for owner, names in self.names.items():
+            parts[owner] = reduced[at : at + len(names)]
+            at += len(names)
+        return parts
+
+
 @dataclass(slots=True)
 class Measurement:
     """What the boundary measured, over every rank: the window's totals and its norms.

@@ -31,6 +31,7 @@ from torch import Tensor
 from .boundary import Decision, Norms, apply_, decide, normalization
 from .buffers import GradBuffers
 from .kernels import GroupKey, combine_norms, non_finite_names
+from .noise import TOTALS as NOISE_TOTALS
 from .noise import NoiseScale, NoNoiseScale
 from .parameters import TrackedParameters
 from .scalars import Flag, Scalar, as_scalar, both, either, negate
@@ -38,7 +39,7 @@ from .settings import AccumulationSettings
 from .statistics import RunStatistics
 from .torch_internals import DeviceStep
 from .weighting import GradientScale, ItemWeighting
-from .window import LOSS, SUMMED, Measurement, Window, mean_loss
+from .window import LOSS, SUMMED, Measurement, Packet, Window, mean_loss
 from .world import AllReduce
 
 
@@ -90,8 +91,11 @@ class WindowEnd:
         reduce_buffers: Averages the buffered window over the ranks (``reduce_gradients``), else ``None``.
         foreach: As in ``torch.nn.utils.clip_grad_norm_``.
         dtype: The dtype of the window's totals.
-        riders: Host numbers to sum over the ranks with the next window's totals (``GradAccumulator.ride``).
-        ridden: The last window's riders summed over the ranks (a device vector until the statistics sync).
+        riders: Host numbers by name to sum over the ranks with the next window's totals
+            (``GradAccumulator.ride``).
+        ridden: The last window's riders summed over the ranks (a device vector until the statistics sync),
+            in the order of ``rider_names``.
+        rider_names: Their names.
     """
 
     settings: AccumulationSettings
@@ -104,8 +108,9 @@ class WindowEnd:
     reduce_buffers: Callable[[], None] | None
     foreach: bool | None
     dtype: torch.dtype
-    riders: list[float] = field(default_factory=list)
+    riders: dict[str, float] = field(default_factory=dict)
     ridden: Tensor | list[float] = field(default_factory=list)
+    rider_names: tuple[str, ...] = ()
 
     @property
     def device(self) -> torch.device:
@@ -254,19 +259,22 @@ class WindowEnd:
         """
         totals = window.tally.totals(with_loss=all_reduce is not None)
         noise = self.noise.close_window(self.tracked)
-        riders: Tensor | list[float] | None = list(self.riders) if self.riders else None
+        riders: Tensor | list[float] | None = list(self.riders.values()) if self.riders else None
+        rider_names = tuple(self.riders)
         if all_reduce is not None:  # the declared packet, the riders and the noise scale's totals, one call
-            packed = torch.stack(
-                [self._scalar(value) for value in (*(totals[n] for n in SUMMED), *self.riders)]
-            )
-            reduced = all_reduce(packed if noise is None else torch.cat([packed, noise]))
-            totals.update(zip(SUMMED, reduced[: len(SUMMED)].unbind(), strict=True))
-            end = len(SUMMED) + len(self.riders)
-            riders = reduced[len(SUMMED) : end] if self.riders else None
-            noise = reduced[end:] if noise is not None else None
+            packet = Packet()
+            packet.scalars("window", SUMMED, [self._scalar(totals[name]) for name in SUMMED])
+            if rider_names:
+                packet.scalars("riders", rider_names, [self._scalar(v) for v in self.riders.values()])
+            if noise is not None:
+                packet.vector("noise", NOISE_TOTALS, noise)
+            parts = packet.reduce(all_reduce)
+            totals.update(zip(SUMMED, parts["window"].unbind(), strict=True))
+            riders, noise = parts.get("riders"), parts.get("noise")
         elif read_statistics:
             totals.update(zip(LOSS, window.tally.loss_totals(), strict=True))
-        self.riders = []
+        self.riders = {}
+        self.rider_names = rider_names
         return Measurement(totals, noise=noise, riders=riders)
 
     def _scalar(self, value: Scalar) -> Tensor:
