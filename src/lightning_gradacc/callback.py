@@ -179,7 +179,7 @@ class GradientAccumulationLogic(_LogicBase):
         given = locals()  # the math settings are declared once, by `AccumulationSettings`, which checks them
         implied = {"noise_scale": True} if policy.adaptive else {}  # "auto" decides from the noise scale
         self.settings = AccumulationSettings(**{name: given[name] for name in SETTINGS} | implied)
-        check_item_count_fn(item_count_fn, weighted=self.settings.scaling == "weighted", scaling=scaling)
+        check_item_count_fn(item_count_fn, weighted=self.settings.mode.weighted, scaling=scaling)
         self.item_count_fn = item_count_fn
         if not isinstance(log_stats, bool):
             raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
@@ -290,7 +290,7 @@ class GradientAccumulationLogic(_LogicBase):
         assert trainer.model is not None
         self._trained = True
         settings = self.settings
-        per_micro_batch = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
+        per_micro_batch = settings.per_micro_batch
         try:
             self._sync = WindowReduction(
                 trainer.model,
@@ -393,7 +393,7 @@ class GradientAccumulationLogic(_LogicBase):
                 # A window opening where Lightning does not zero the gradients (the batch before was None
                 # from the dataloader, which skips every hook): it must not start from the last one's.
                 accumulator.reset(set_grads_to_none=True)
-        weighted = self.settings.scaling == "weighted"
+        weighted = self.settings.mode.weighted
         extract, check_labels = self._api.extract_batch_size, not self._labels_checked
         counted = count_micro_batch(batch, batch_idx, self.item_count_fn, weighted, extract, check_labels)
         current.items, current.label, current.error = counted.items, counted.label, counted.error

@@ -99,6 +99,8 @@ class KPolicy:
         constant: Whether every window of the fit has the same K (Lightning's own step estimate holds).
         adaptive: Whether K is chosen from what training measures (its steps are not known in advance; the
             plan hands it :class:`WindowFacts` when each window closes).
+        needs_micro_batch_size: Whether K is derived from the train loader's batch size: the plan reads it
+            (in ``setup``, and again at train start) and hands it to :meth:`resolve`.
     """
 
     per_window = False
@@ -106,6 +108,7 @@ class KPolicy:
     configured = True
     constant = False
     adaptive = False
+    needs_micro_batch_size = False
 
     def for_fit(self, trainer_k: int, world_size: int = 1) -> KPolicy:
         """The policy of one fit: a copy (``trainer_k``: the Trainer's ``accumulate_grad_batches``)."""
@@ -125,6 +128,10 @@ class KPolicy:
     def largest_k(self) -> int | None:
         """The largest K the policy can choose (``None`` while unresolved)."""
         raise NotImplementedError
+
+    def resolve(self, micro_batch_size: int, world_size: int) -> list[str]:
+        """Take the loader's batch size (``needs_micro_batch_size``); returns what to warn of."""
+        return []
 
     def smallest_k(self) -> int:
         """The smallest K an adaptive policy can choose in this fit (its most steps are counted at it)."""
@@ -282,9 +289,11 @@ class TargetBatchSize(KPolicy):
 
     Example:
         >>> policy = TargetBatchSize(100).for_fit(1)
-        >>> policy.resolve(16, 2), policy.k_at(0, 0, 0.0)
-        ((4, 128), 4)
+        >>> policy.resolve(16, 2), policy.k_at(0, 0, 0.0)  # doctest: +ELLIPSIS
+        (['`target_batch_size=100` is not a multiple of ... using K=4, an effective batch size of 128.'], 4)
     """
+
+    needs_micro_batch_size = True
 
     def __init__(self, size: Any, unit: str = "epochs") -> None:
         self.unit = unit
@@ -305,24 +314,33 @@ class TargetBatchSize(KPolicy):
         fresh.resolved = None
         return fresh
 
-    def resolve(self, micro_batch_size: int, world_size: int) -> tuple[int, int]:
-        """Derive K (each stage's K) from the micro-batch size and the ranks.
-
-        Returns:
-            ``(K, effective batch size)`` of the first stage.
-        """
+    def resolve(self, micro_batch_size: int, world_size: int) -> list[str]:
+        """Derive K (each stage's K) from the micro-batch size and the ranks; warn of sizes rounded up."""
         per_window = micro_batch_size * world_size
+        ranks = f"micro-batch size {micro_batch_size} x {world_size} rank(s)"
         if self.schedule is not None:
             ks = {
                 threshold: max(1, math.ceil(size / per_window)) for threshold, size in self.schedule.items()
             }
             self.resolved = KeyedSchedule(ks, self.unit, name="target_batch_size")
-        else:
-            assert isinstance(self.size, int)
-            self.resolved = FixedK(max(1, math.ceil(self.size / per_window)))
-        k = self.resolved.first_k()
-        assert k is not None
-        return k, k * per_window
+            uneven = [
+                f"{size} -> K={-(-size // per_window)}"
+                for size in self.schedule.values()
+                if size % per_window
+            ]
+            if uneven:  # name the stages that are not multiples
+                stages = ", ".join(uneven)
+                return [f"`target_batch_size` stages that are not a multiple of {ranks} round up: {stages}."]
+            return []
+        assert isinstance(self.size, int)
+        k = max(1, math.ceil(self.size / per_window))
+        self.resolved = FixedK(k)
+        if k * per_window != self.size:
+            return [
+                f"`{self.describe()}` is not a multiple of {ranks}; using K={k}, an effective batch size of"
+                f" {k * per_window}."
+            ]
+        return []
 
     def k_at(self, epoch: int, steps: int, items: float) -> int | None:
         """The resolved K (``None`` before :meth:`resolve`)."""

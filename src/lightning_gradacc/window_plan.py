@@ -39,7 +39,7 @@ import torch
 
 from . import lightning_internals as internals
 from .core.settings import check_choice
-from .k_policies import FixedK, KPolicy, TargetBatchSize, WindowFacts, stepping_batches
+from .k_policies import FixedK, KPolicy, WindowFacts, stepping_batches
 from .lr_schedule import TokenSchedule
 
 if TYPE_CHECKING:
@@ -315,7 +315,7 @@ class WindowPlan:
         self._accumulator = None
         self._built_train_data = False
         self.position.batches_in_window = 0
-        if isinstance(self.run, TargetBatchSize):  # now, so that `configure_optimizers` sees K
+        if self.run.needs_micro_batch_size:  # now, so that `configure_optimizers` sees K
             self._resolve_target_early(trainer, warn)
         k = self._k_now(trainer)
         if k is not None:
@@ -329,7 +329,7 @@ class WindowPlan:
         before the saved window is loaded into ``accumulator`` (its sums are rescaled to the loss scale
         written here).
         """
-        if isinstance(self.run, TargetBatchSize):
+        if self.run is not None and self.run.needs_micro_batch_size:
             self._resolve_target_again(trainer, warn)
         self._accumulator = accumulator
         position, restored, self._restored = self.position, self._restored, False
@@ -550,7 +550,7 @@ class WindowPlan:
     def _resolve_target_again(self, trainer: pl.Trainer, warn: Warn) -> None:
         """Resolve K again at train start: the micro-batch size may have changed (``BatchSizeFinder``)."""
         run = self.run
-        assert isinstance(run, TargetBatchSize)
+        assert run is not None
         before = run.first_k()
         self._resolve_target(trainer, warn)
         if before not in (None, run.first_k()):
@@ -562,8 +562,7 @@ class WindowPlan:
             )
 
     def _resolve_target(self, trainer: pl.Trainer, warn: Warn) -> None:
-        run = self.run
-        assert isinstance(run, TargetBatchSize)
+        assert self.run is not None
         loader = trainer.train_dataloader
         batch_size = getattr(loader, "batch_size", None) or getattr(
             getattr(loader, "batch_sampler", None), "batch_size", None
@@ -574,20 +573,5 @@ class WindowPlan:
                 f" dataloader ({type(loader).__name__}) has no fixed `batch_size`. Use a single DataLoader"
                 " with `batch_size=...` or set `accumulation_steps` instead."
             )
-        k, effective = run.resolve(batch_size, trainer.world_size)
-        per_window = batch_size * trainer.world_size
-        if run.schedule is not None:  # a size per stage: name the stages that are not multiples
-            uneven = [
-                f"{size} -> K={-(-size // per_window)}" for size in run.schedule.values() if size % per_window
-            ]
-            if uneven:
-                warn(
-                    f"`target_batch_size` stages that are not a multiple of micro-batch size {batch_size} x"
-                    f" {trainer.world_size} rank(s) round up: {', '.join(uneven)}."
-                )
-        elif effective != run.size:
-            warn(
-                f"`{self.policy.describe()}` is not a multiple of micro-batch size"
-                f" {batch_size} x {trainer.world_size} rank(s); using K={k}, an effective batch size of"
-                f" {effective}."
-            )
+        for message in self.run.resolve(batch_size, trainer.world_size):
+            warn(message)

@@ -160,7 +160,7 @@ class GradAccumulator:
         self._statistics = RunStatistics(self.device, self._ledger_dtype)
         self._noise = noise_scale_for(settings, tracked, device=self.device, dtype=self._ledger_dtype)
         self._weighting = ItemWeighting(
-            settings.scaling == "weighted", self._world, device=self.device, dtype=self._ledger_dtype
+            settings.mode.weighted, self._world, device=self.device, dtype=self._ledger_dtype
         )
         self._end = WindowEnd(
             settings,

@@ -161,39 +161,6 @@ def measure(
     return Norms.on_device(each, norm_type, largest, device=device, keep_per_tensor=per_tensor)
 
 
-def normalization(
-    scaling: str, micro_batches: int, *, dropped: Scalar, weights: Scalar, loss_scale: float, world_size: int
-) -> Scalar:
-    """The factor that turns a window's sum into the contract's gradient (docs/architecture.md).
-
-    The sum holds, over micro-batches, weight x loss scale x gradient (averaged over ranks by DDP); a
-    GradScaler has already divided its own scale out.
-
-    Args:
-        scaling: ``"mean"``, ``"sum"`` or ``"weighted"``.
-        micro_batches: Micro-batches recorded in the window (on this rank).
-        dropped: Those dropped by ``overflow="skip_micro_batch"``.
-        weights: Sum of the micro-batches' weights over ranks (``"weighted"``).
-        loss_scale: What every loss was multiplied by besides its weight (Lightning's ``1 / K``).
-        world_size: Data-parallel ranks.
-
-    Example:
-        >>> normalization("mean", 4, dropped=1.0, weights=0.0, loss_scale=0.25, world_size=1)
-        1.3333333333333333
-    """
-    if scaling == "mean":
-        if isinstance(dropped, Tensor):
-            return 1.0 / ((micro_batches - dropped).clamp(min=1) * loss_scale)
-        return 1.0 / (max(micro_batches - dropped, 1) * loss_scale)
-    if scaling == "sum":
-        return 1.0 / loss_scale
-    # weighted: w = items / reference, so dividing by sum w (over ranks: times R for DDP's average) gives
-    # sum n g / sum n. A window without items never steps.
-    if isinstance(weights, Tensor):
-        return world_size / (loss_scale * torch.where(weights > 0, weights, 1.0))
-    return world_size / (loss_scale * (weights if weights > 0 else 1.0))
-
-
 def _clip_coefficient(norm: Scalar, max_norm: float) -> Scalar:
     """``min(max_norm / (norm + eps), 1)``, on the host or the device."""
     if isinstance(norm, Tensor):

@@ -336,7 +336,7 @@ class MicroBatchIntake:
     ) -> None:
         self.tracked, self.buffers, self.settings = tracked, buffers, settings
         self.scale, self.world, self.dtype = scale, world, dtype
-        self.checks = settings.overflow == "skip_micro_batch" or settings.clip_mode == "micro_batch"
+        self.checks = settings.per_micro_batch
 
     def absorb(self, window: Window, count: ItemCount) -> Tensor | None:
         """Move the micro-batch's ``.grad`` into the buffers; count a drop or a clip in ``window``.

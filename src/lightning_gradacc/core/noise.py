@@ -532,7 +532,7 @@ def noise_scale_for(
         settings.noise_scale_decay,
         device,
         dtype,
-        weighted=settings.scaling == "weighted",
+        weighted=settings.mode.weighted,
         hook_targets=hook_targets,
     )
 

@@ -9,9 +9,11 @@ import math
 import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import Field, dataclass, field, fields
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
+
+from .scaling import SCALING_MODES, ScalingMode
 
 Scaling = Literal["mean", "sum", "weighted", "average", "dynamic"]
 OverflowPolicy = Literal["skip", "raise", "ignore", "skip_micro_batch"]
@@ -357,11 +359,15 @@ class AccumulationSettings:
         "Measure one window in this many (the others cost nothing; the estimate stays unbiased).",
     )
 
+    mode: ClassVar[ScalingMode]  # set per instance from `scaling` (see `core.scaling`)
+
     def __post_init__(self) -> None:
         for setting in fields(self):  # each value checked and normalized by its own declaration
             object.__setattr__(self, setting.name, setting.metadata["check"](getattr(self, setting.name)))
-        per_micro_batch = self.overflow == "skip_micro_batch" or self.clip_mode == "micro_batch"
-        if self.noise_scale and per_micro_batch:
+        # the scaling mode's object (what it weights, how it normalizes): an attribute, not a setting, read
+        # per micro-batch without a call
+        object.__setattr__(self, "mode", SCALING_MODES[self.scaling])
+        if self.noise_scale and self.per_micro_batch:
             raise ValueError(
                 "`noise_scale=True` cannot be combined with `overflow='skip_micro_batch'` or"
                 " `clip_mode='micro_batch'`: they drop or clip single micro-batches, so the window's gradient"

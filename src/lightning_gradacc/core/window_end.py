@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .boundary import Decision, Norms, apply_, decide, normalization
+from .boundary import Decision, Norms, apply_, decide
 from .buffers import GradBuffers
 from .kernels import GroupKey, combine_norms, non_finite_names
 from .noise import TOTALS as NOISE_TOTALS
@@ -288,8 +288,7 @@ class WindowEnd:
     ) -> tuple[Scalar, Decision]:
         """The normalization factor, and what it and clipping make of the window's sum."""
         settings = self.settings
-        factor = normalization(
-            settings.scaling,
+        factor = settings.mode.factor(
             window.micro_batches,
             dropped=measured.totals["dropped"],
             weights=measured.totals["weights"],
@@ -351,7 +350,7 @@ class WindowEnd:
                     l2_norm=measured.l2_norm,
                     factor=factor,
                     micro_batches=window.micro_batches,
-                    summed=settings.scaling == "sum",
+                    summed=settings.mode.summed,
                     items=totals["items"],
                 ),
             },
