@@ -263,57 +263,45 @@ class GradientAccumulationLogic(_LogicBase):
         if stage != "fit":
             return
         self._trained = False
-        self._check_compatibility(trainer, pl_module)
+        self._verify("configuration", trainer, pl_module)
         if self._accumulator is not None and not self._accumulator.window.empty:
             # the last fit raised inside a window: it can never be stepped, and any K may follow
             self._accumulator.reset(set_grads_to_none=True)
-        api, plan = self._api, self.plan
-        plan.start_fit(trainer, api.rank_zero_warn)
-        largest = plan.largest_k()
-        compat.check_training_step(api, pl_module, largest, plan.describe())
-        self._go_first(trainer)
-        compat.warn_step_hooks_overridden(api, pl_module, largest)
-        compat.check_gradient_clip_val(api, trainer, self.settings)
+        self.plan.start_fit(trainer, self._api.rank_zero_warn)
         self._scaler = internals.grad_scaler(trainer)
-        compat.check_grad_scaler(api, self._scaler, self.settings.overflow)
-        assert plan.run is not None
-        compat.check_driven_precision(trainer, plan.run.per_window)
+        self._verify("setup", trainer, pl_module)
+        self._go_first(trainer)
+
+    def _verify(self, phase: compat.Phase, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Run the checks of ``phase`` (``compatibility.CHECKS``) over this fit's facts."""
+        facts = compat.RunFacts(
+            self._api, trainer, pl_module, self, GradientAccumulationLogic, self._scaler, self._sync
+        )
+        compat.verify(phase, facts)
 
     def _check_compatibility(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        compat.check_automatic_optimization(pl_module)
-        compat.check_strategy(self._api, trainer)
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]
-        compat.check_callbacks(self._api, callbacks, self, GradientAccumulationLogic)
+        """The checks made before anything is built (``compatibility.CHECKS["configuration"]``)."""
+        self._verify("configuration", trainer, pl_module)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert trainer.model is not None
         self._trained = True
-        settings = self.settings
-        per_micro_batch = settings.per_micro_batch
         try:
             self._sync = WindowReduction(
                 trainer.model,
                 reduction=self.sharded_reduction,
                 world_size=trainer.world_size,
-                per_micro_batch=per_micro_batch,
+                per_micro_batch=self.settings.per_micro_batch,
             )
         except ValueError as error:
             raise RuntimeError(str(error)) from None
-        compat.check_sharded_reduction(
-            self._api, self._sync, self.sharded_reduction, settings, per_micro_batch
-        )
+        self._verify("reduction", trainer, pl_module)
         self._build_accumulator(trainer, pl_module)
         self._monitored = monitors_statistics(trainer.callbacks)  # type: ignore[attr-defined]
-        compat.check_optimizers(
-            trainer,
-            self.plan.largest_k(),
-            self.plan.describe(),
-            lambda trainer: self.estimated_stepping_batches(trainer, most=True),
-        )
+        self._verify("train_start", trainer, pl_module)
         if self._sync.core_reduces:
             self._sync.start()
-            compat.warn_ddp_comm_hook(self._api, trainer.strategy)
         self._grads_read_before_step = compat.grads_read_before_step(self._api, trainer, pl_module, self)
         self._stepped_on_device = False
         self._go_first(trainer)  # again: another callback may have moved itself in its own `setup`
@@ -328,9 +316,6 @@ class GradientAccumulationLogic(_LogicBase):
         previous = self._accumulator
         if previous is not None:
             previous.remove_hooks()  # its noise-scale hook must not keep measuring
-        compat.warn_noise_scale_unmeasurable(
-            self._api, self.settings, self.plan.largest_k(), trainer.world_size
-        )
         accumulator = build_accumulator(
             trainer,
             pl_module,
@@ -435,7 +420,7 @@ class GradientAccumulationLogic(_LogicBase):
         assert accumulator is not None
         self._groups.follow(trainer, pl_module, accumulator)
         if not current.backward_ran and not accumulator.window.empty:
-            compat.check_window_can_end(self._sync, self.sharded_reduction)
+            self._verify("window_end", trainer, pl_module)
         # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned
         # None: the window's earlier micro-batches would be dropped. The callback steps it itself.
         steps_itself = (

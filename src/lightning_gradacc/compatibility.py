@@ -1,15 +1,17 @@
 """The run compatibility checks of the callback: what ``trainer/configuration_validator.py`` is for Lightning.
 
 Each function raises (a configuration the callback cannot accumulate exactly) or warns (one that works, but
-not as its author may expect). The callback's hooks call them where the facts they check are known:
-``setup`` (the Trainer, the module, the precision), ``on_train_start`` (the optimizers, the wrapped model).
-None imports Lightning: the classes come from the Trainer's own namespace (``api``).
+not as its author may expect). The callback's hooks call them through one dispatcher, :func:`verify`, by the
+phase whose facts they need (:data:`CHECKS`: ``setup`` for the Trainer, the module and the precision, train
+start for the wrapped model and the optimizers). None imports Lightning: the classes come from the Trainer's
+own namespace (``api``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -357,3 +359,90 @@ def grads_read_before_step(
     base = getattr(api.callback, "on_before_optimizer_step")  # noqa: B009 (a class held as `type`)
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
     return any(type(cb).on_before_optimizer_step is not base for cb in callbacks if cb is not callback)
+
+
+# ------------------------------------------------------------------------------------------ the dispatcher
+
+Phase = Literal["configuration", "setup", "reduction", "train_start", "window_end"]
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the run checks read: the Trainer, its module and the callback (its plan, settings and state).
+
+    Attributes:
+        api: The Trainer's namespace.
+        trainer: The Trainer.
+        pl_module: The module trained.
+        callback: The callback checking (its plan, settings and ``sharded_reduction``).
+        callback_type: The class every accumulation callback derives from (of either namespace).
+        scaler: The fit's GradScaler (``None``: none, or not read yet).
+        reduction: When the ranks reduce the window (set at train start).
+    """
+
+    api: LightningNamespace
+    trainer: Any
+    pl_module: Any
+    callback: Any
+    callback_type: type
+    scaler: torch.amp.GradScaler | None
+    reduction: WindowReduction
+
+
+def _largest_k(facts: RunFacts) -> int | None:
+    return facts.callback.plan.largest_k()  # type: ignore[no-any-return]
+
+
+# Every check, by the phase of the fit whose facts it needs, in the order it runs (as Lightning's
+# `configuration_validator.py` calls its `__verify_*` functions from one place):
+# - configuration: at `setup`, before anything is built (the module, the strategy, the other callbacks);
+# - setup: at `setup`, the plan started (K known) and the GradScaler read;
+# - reduction: at train start, FSDP's reduction read from the wrapped model, before the accumulator is built;
+# - train_start: the accumulator built (the optimizers, DDP's communication hook);
+# - window_end: a window ends on a batch that ran no backward.
+CHECKS: dict[Phase, tuple[Callable[[RunFacts], None], ...]] = {
+    "configuration": (
+        lambda f: check_automatic_optimization(f.pl_module),
+        lambda f: check_strategy(f.api, f.trainer),
+        lambda f: check_callbacks(f.api, f.trainer.callbacks, f.callback, f.callback_type),
+    ),
+    "setup": (
+        lambda f: check_training_step(f.api, f.pl_module, _largest_k(f), f.callback.plan.describe()),
+        lambda f: warn_step_hooks_overridden(f.api, f.pl_module, _largest_k(f)),
+        lambda f: check_gradient_clip_val(f.api, f.trainer, f.callback.settings),
+        lambda f: check_grad_scaler(f.api, f.scaler, f.callback.settings.overflow),
+        lambda f: check_driven_precision(f.trainer, f.callback.plan.run.per_window),
+    ),
+    "reduction": (
+        lambda f: check_sharded_reduction(
+            f.api,
+            f.reduction,
+            f.callback.sharded_reduction,
+            f.callback.settings,
+            f.callback.settings.per_micro_batch,
+        ),
+        lambda f: warn_noise_scale_unmeasurable(
+            f.api, f.callback.settings, _largest_k(f), f.trainer.world_size
+        ),
+    ),
+    "train_start": (
+        lambda f: check_optimizers(
+            f.trainer,
+            _largest_k(f),
+            f.callback.plan.describe(),
+            lambda trainer: f.callback.estimated_stepping_batches(trainer, most=True),
+        ),
+        lambda f: warn_ddp_comm_hook(f.api, f.trainer.strategy) if f.reduction.core_reduces else None,
+    ),
+    "window_end": (lambda f: check_window_can_end(f.reduction, f.callback.sharded_reduction),),
+}
+
+
+def verify(phase: Phase, facts: RunFacts) -> None:
+    """Run every check of ``phase`` (:data:`CHECKS`), in order: the one place the callback's hooks check from.
+
+    Raises:
+        RuntimeError: A check refused the run (each names what to change).
+    """
+    for check in CHECKS[phase]:
+        check(facts)
