@@ -54,6 +54,7 @@ def test_resume_mid_window_equals_the_uninterrupted_run(
     assert h.max_abs_diff(resumed.net, expected.net) <= 1e-6
     assert callback.stats.windows == 6
     assert callback.stats.total_micro_batches == 20
+    assert callback.stats.items_seen == 38 * EPOCHS  # every sample of both epochs, once (a sum: saved)
 
 
 @pytest.mark.parametrize("at", [1, 6])

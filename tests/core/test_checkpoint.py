@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_gradacc import GradAccumulator
 from lightning_gradacc.core.checkpoint import FORMAT_VERSION
-from lightning_gradacc.core.statistics import COUNTERS, AccumulationStats
+from lightning_gradacc.core.statistics import INTEGERS, AccumulationStats
 from tests.helpers import linear_accumulator, linear_backward, run_plain_loop
 
 SAVED_STATE = {
@@ -45,7 +45,7 @@ def test_accumulator_loads_its_saved_state_and_counts_on() -> None:
     assert (stats.clipped_steps, stats.empty_windows, stats.steps_taken) == (5, 1, 12 - 2 - 1)
     assert stats.last_grad_norm == 0.75 and stats.max_grad_norm_seen == 3.5 and stats.items_last_step == 24.0
     assert accumulator.window_loss == 0.125
-    assert all(isinstance(getattr(stats, name), int) for name in COUNTERS)
+    assert all(isinstance(getattr(stats, name), int) for name in INTEGERS)
     _, other = linear_accumulator()
     other.load_state_dict(accumulator.state_dict())
     assert _without_peak(other.stats) == _without_peak(stats)

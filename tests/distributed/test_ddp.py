@@ -232,6 +232,7 @@ def test_ddp_target_batch_size_resolves_k_over_ranks_before_configure_optimizers
     metrics = trainer.callback_metrics
     assert float(metrics["grad_accum/accumulation_steps"]) == 2
     assert float(metrics["estimate"]) == float(metrics["grad_accum/windows"]) == 3
+    assert float(metrics["grad_accum/items_seen"]) == 40  # both ranks' samples, each once
 
 
 def test_ddp_token_keyed_schedule_matches_the_big_batch_of_each_window() -> None:

@@ -146,6 +146,12 @@ class AccumulationStats:
         " float: counts such as ``attention_mask.float().sum()`` need not be integers).",
         empty=0.0,
     )
+    items_seen: float = statistic(
+        0.0,
+        "Items of every window so far, summed over ranks (skipped windows included, dropped micro-batches"
+        " not): the tokens or samples trained on, as the Hugging Face Trainer's ``num_input_tokens_seen``.",
+        fold="sum",
+    )
     items_last_full_step: float = statistic(
         0.0,
         "Items in the last window that held K micro-batches, summed over ranks: what a full optimizer"

@@ -342,6 +342,7 @@ class WindowEnd:
                 "clipped_steps": either(decision.clipped, totals["micro_clips"] > 0),
                 "last_grad_norm": decision.norm,
                 "items_last_step": totals["items"],
+                "items_seen": totals["items"],
                 **({"items_last_full_step": totals["items"]} if full else {}),
                 "window_loss": window_loss,
                 **self.noise.statistics(
