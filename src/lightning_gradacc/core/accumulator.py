@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .buffers import buffers_for
-from .checkpoint import check_format, check_open_window, restore_open_window, save_open_window, stamp
+from .checkpoint import WindowCheckpoint, check_format, stamp
 from .grad_hooks import BufferHooks
 from .noise import noise_scale_for
 from .parameters import NamedParameters, TrackedParameters
@@ -175,6 +175,10 @@ class GradAccumulator:
             else None,
             foreach,
             self._ledger_dtype,
+        )
+        # the open window's saved form, over the parts its sums and counts live in
+        self._checkpoint = WindowCheckpoint(
+            tracked, self._buffers, self._scale, self._weighting, self._world, self._noise
         )
         self._pending: _MicroBatch | None = None
         self._window = self._new_window()
@@ -702,17 +706,9 @@ class GradAccumulator:
         """The open window (its summed gradients and counters), or ``None`` between windows.
 
         Under data parallelism a collective (summed over ranks): every rank must call it. Syncs with the
-        device (checkpoint time only). See :func:`~lightning_gradacc.core.checkpoint.save_open_window`.
+        device (checkpoint time only). See :class:`~lightning_gradacc.core.checkpoint.WindowCheckpoint`.
         """
-        return save_open_window(
-            self._window,
-            self._tracked,
-            self._buffers,
-            scale=self._scale,
-            weighting=self._weighting,
-            world=self._world,
-            noise=self._noise,
-        )
+        return self._checkpoint.state_dict(self._window)
 
     def load_window_state_dict(self, state: Mapping[str, Any], *, primary: bool = True) -> None:
         """Re-open a window saved by :meth:`window_state_dict`; nothing changes if it does not fit.
@@ -728,18 +724,9 @@ class GradAccumulator:
             raise RuntimeError(
                 "A saved window can only be loaded between windows (the open one is not empty)."
             )
-        check_open_window(state, self._tracked, self._buffers, self._world)
+        self._checkpoint.check(state)
         self.reset(set_grads_to_none=True)
-        restore_open_window(
-            state,
-            self._window,
-            self._tracked,
-            self._buffers,
-            scale=self._scale,
-            weighting=self._weighting,
-            primary=primary,
-        )
-        self._noise.restore_window(state.get("noise"), primary=primary)  # older saves: no estimate
+        self._checkpoint.load_state_dict(state, self._window, primary=primary)
 
 
 GradAccumulator.__doc__ = with_setting_docs(GradAccumulator.__doc__)

@@ -11,6 +11,7 @@ all-or-nothing: every check runs before anything is modified, and the first mism
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -139,165 +140,163 @@ UNSYNCED = (
 )
 
 
-def save_open_window(
-    window: Window,
-    tracked: TrackedParameters,
-    buffers: GradBuffers | None,
-    *,
-    scale: GradientScale,
-    weighting: ItemWeighting,
-    world: World,
-    noise: Any = None,
-) -> dict[str, Any] | None:
-    """The open ``window`` (its summed gradients and counters), or ``None`` between windows.
+@dataclass
+class WindowCheckpoint:
+    """The open window's saved form, owned by the parts its sums and counts live in: save, check, load.
 
-    With ``noise`` (the noise scale) its totals of the window go with it, so that the window's estimate goes
-    on. Under data parallelism the rank-dependent parts (gradients, items, losses) are summed over ranks:
-    a collective, so every rank must call it (Lightning does, when it saves a checkpoint). Loaded on
-    the first rank, with the other ranks starting from zero, the sum continues exactly, because the
-    all-reduce at the end of the window is linear. Syncs with the device (checkpoint time only).
-    """
-    if window.empty:
-        return None
-    named, shard_groups = tracked.named, tracked.shard_groups
-    in_buffers = window.sums_in_buffers
-    module = tracked.fsdp_module
-    if module is not None:  # decided per parameter
-        held = fsdp2_held_back(module)
-        names = [name for name, param in named if id(param) in held]
-        if names:
-            raise NotImplementedError(UNSYNCED.format("FSDP2") + f" Held back: {', '.join(names)}.")
-    elif (
-        any(group is not None for group in shard_groups)
-        and not in_buffers
-        and all(grad is None for grad in tracked.grads())
-    ):  # without the module only a window with no gradient at all shows it
-        raise NotImplementedError(UNSYNCED.format("FSDP2"))
-    flat = tracked.flat_shards
-    if not in_buffers and any(
-        shard is not None and p.grad is not None and p.grad.shape != p.shape
-        for (_, p), shard in zip(named, flat, strict=True)
-    ):  # FSDP1 inside `no_sync()`: whole gradients, each rank's own
-        raise NotImplementedError(UNSYNCED.format("FSDP1 (`no_sync()`)"))
-    world_size, all_reduce = world.resolve()
+    The window's sums are in ``.grad`` or the buffers, its counts in its tally, the scales they carry in
+    ``scale``, the weighting's reference in ``weighting`` and the noise scale's totals in ``noise``: this one
+    object saves them together and loads them back all-or-nothing (every check first). Under data
+    parallelism the rank-dependent parts (gradients, items, losses) are summed over ranks when saved: a
+    collective, so every rank must save (Lightning does, when it saves a checkpoint). Loaded on the first
+    rank, with the other ranks starting from zero, the sum continues exactly, because the all-reduce at the
+    end of the window is linear. Syncs with the device (checkpoint time only).
 
-    def summed(tensor: Tensor) -> Tensor:
-        return all_reduce(tensor.clone()) if all_reduce is not None else tensor
-
-    sums = buffers.window() if in_buffers and buffers is not None else None
-    if buffers is not None and window.state is WindowState.FLUSHED:
-        # flushed into `.grad` (for DDP's last backward, or a GradScaler): still a buffered window, saved
-        # as the buffers' local sums in their dtype, so that it loads into buffers again
-        grads = local_shards(tracked.grads())[0]
-        in_buffers, sums = True, [None if t is None else t.to(buffers.dtype) for t in grads]
-    tensors: dict[str, Tensor] = {}
-    sharded: list[str] = []
-    for index, (name, param) in enumerate(named):
-        tensor = sums[index] if sums is not None else param.grad
-        if tensor is None and not param.requires_grad:  # frozen: nothing to save (the same on every rank)
-            continue
-        dtype = buffers.dtype if in_buffers and buffers is not None else param.dtype
-        if flat[index] is not None:  # FSDP1: each rank's slice, put together once here
-            whole_flat = flat[index].whole(  # type: ignore[union-attr]
-                tensor.detach() if tensor is not None else None, dtype, param.device
-            )
-            tensors[name] = whole_flat.cpu()
-            sharded.append(name)
-            continue
-        if shard_groups[index] is not None:
-            # FSDP2 reduced (averaged over ranks) every micro-batch into the shards: the window's whole
-            # gradient is gathered once here, and every rank takes its shard of it back at load
-            zeros: Any = torch.zeros_like(param, dtype=dtype)  # a DTensor like the parameter
-            local = tensor.detach() if tensor is not None else zeros.to_local()
-            whole: Any = as_sharded_like(param, local) if sums is not None or tensor is None else local
-            tensors[name] = whole.full_tensor().cpu()
-            sharded.append(name)
-            continue
-        local = tensor.detach() if tensor is not None else torch.zeros_like(param, dtype=dtype)
-        tensors[name] = summed(local).cpu()
-    return stamp(
-        {
-            "kind": "buffers" if in_buffers else "grads",
-            "world_size": world_size,
-            "micro_batches": window.micro_batches,
-            **window.tally.saved(summed),  # each quantity, summed over ranks where the ranks' parts differ
-            **weighting.state_dict(),
-            **scale.state_dict(),
-            "tensors": tensors,
-            "sharded": sharded,  # whole gradients of sharded parameters: every rank takes its shard at load
-            **({"noise": totals} if noise is not None and (totals := noise.window_state(summed)) else {}),
-        }
-    )
-
-
-def _expected(
-    tracked: TrackedParameters, buffers: GradBuffers | None
-) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    return {
-        name: (
-            shard.shape if shard is not None else param.shape,  # FSDP1: the whole parameter's
-            buffers.dtype if buffers is not None else param.dtype,
-        )
-        for (name, param), shard in zip(tracked.named, tracked.flat_shards, strict=True)
-    }
-
-
-def check_open_window(
-    state: Mapping[str, Any], tracked: TrackedParameters, buffers: GradBuffers | None, world: World
-) -> None:
-    """Raise ``ValueError`` if the saved window ``state`` does not fit these parameters and ranks."""
-    world_size, _ = world.resolve()
-    kind = "buffers" if buffers is not None else "grads"
-    check_window_state(state, _expected(tracked, buffers), kind, world_size, tracked.sharded_names())
-
-
-def restore_open_window(
-    state: Mapping[str, Any],
-    window: Window,
-    tracked: TrackedParameters,
-    buffers: GradBuffers | None,
-    *,
-    scale: GradientScale,
-    weighting: ItemWeighting,
-    primary: bool = True,
-) -> None:
-    """Put a window checked by :func:`check_open_window` into the new, empty ``window``.
-
-    The saved sums are rescaled from the loss scale (and AMP scale) they were saved with to the current
-    ones, so a window resumes exactly with another K or after the GradScaler changed its scale.
-
-    Args:
-        state: The saved window.
-        window: The open window (empty; its gradients were set to ``None``).
+    Attributes:
         tracked: The parameters.
         buffers: The accumulation buffers, if any.
-        scale: The current loss and AMP scale.
-        weighting: Takes the saved reference count.
-        primary: Whether this rank takes the saved sums (rank 0); the other ranks start from zero.
+        scale: The loss and AMP scale the sums carry.
+        weighting: The item weighting (its reference count).
+        world: The data-parallel ranks.
+        noise: The noise scale (or its stand-in doing nothing).
     """
-    expected = _expected(tracked, buffers)
-    rescale = scale.rescale_from(dict(state))
-    saved_tensors = state["tensors"]
-    sharded = set(state.get("sharded", ()))
-    saved: list[Tensor | None] = []
-    for (name, param), piece in zip(tracked.named, tracked.flat_shards, strict=True):
-        if name not in saved_tensors:
-            saved.append(None)
-        elif name in sharded and piece is not None:  # FSDP1: every rank, its slice of the whole
-            saved.append(piece.local(saved_tensors[name].to(param.device) * rescale))
-        elif name in sharded:  # every rank: its shard of the whole gradient
-            whole = saved_tensors[name].to(param.device) * rescale
-            shard = distribute_like(param, whole)
-            saved.append(shard.to_local() if buffers is not None else shard)  # type: ignore[attr-defined]
-        elif primary:
-            saved.append(saved_tensors[name].to(param.device) * rescale)
+
+    tracked: TrackedParameters
+    buffers: GradBuffers | None
+    scale: GradientScale
+    weighting: ItemWeighting
+    world: World
+    noise: Any
+
+    def state_dict(self, window: Window) -> dict[str, Any] | None:
+        """The open ``window`` (its summed gradients and counters), or ``None`` between windows."""
+        if window.empty:
+            return None
+        tracked, buffers = self.tracked, self.buffers
+        named, shard_groups = tracked.named, tracked.shard_groups
+        in_buffers = window.sums_in_buffers
+        module = tracked.fsdp_module
+        if module is not None:  # decided per parameter
+            held = fsdp2_held_back(module)
+            names = [name for name, param in named if id(param) in held]
+            if names:
+                raise NotImplementedError(UNSYNCED.format("FSDP2") + f" Held back: {', '.join(names)}.")
+        elif (
+            any(group is not None for group in shard_groups)
+            and not in_buffers
+            and all(grad is None for grad in tracked.grads())
+        ):  # without the module only a window with no gradient at all shows it
+            raise NotImplementedError(UNSYNCED.format("FSDP2"))
+        flat = tracked.flat_shards
+        if not in_buffers and any(
+            shard is not None and p.grad is not None and p.grad.shape != p.shape
+            for (_, p), shard in zip(named, flat, strict=True)
+        ):  # FSDP1 inside `no_sync()`: whole gradients, each rank's own
+            raise NotImplementedError(UNSYNCED.format("FSDP1 (`no_sync()`)"))
+        world_size, all_reduce = self.world.resolve()
+
+        def summed(tensor: Tensor) -> Tensor:
+            return all_reduce(tensor.clone()) if all_reduce is not None else tensor
+
+        sums = buffers.window() if in_buffers and buffers is not None else None
+        if buffers is not None and window.state is WindowState.FLUSHED:
+            # flushed into `.grad` (for DDP's last backward, or a GradScaler): still a buffered window, saved
+            # as the buffers' local sums in their dtype, so that it loads into buffers again
+            grads = local_shards(tracked.grads())[0]
+            in_buffers, sums = True, [None if t is None else t.to(buffers.dtype) for t in grads]
+        tensors: dict[str, Tensor] = {}
+        sharded: list[str] = []
+        for index, (name, param) in enumerate(named):
+            tensor = sums[index] if sums is not None else param.grad
+            if tensor is None and not param.requires_grad:  # frozen: nothing to save (the same on every rank)
+                continue
+            dtype = buffers.dtype if in_buffers and buffers is not None else param.dtype
+            if flat[index] is not None:  # FSDP1: each rank's slice, put together once here
+                whole_flat = flat[index].whole(  # type: ignore[union-attr]
+                    tensor.detach() if tensor is not None else None, dtype, param.device
+                )
+                tensors[name] = whole_flat.cpu()
+                sharded.append(name)
+                continue
+            if shard_groups[index] is not None:
+                # FSDP2 reduced (averaged over ranks) every micro-batch into the shards: the window's whole
+                # gradient is gathered once here, and every rank takes its shard of it back at load
+                zeros: Any = torch.zeros_like(param, dtype=dtype)  # a DTensor like the parameter
+                local = tensor.detach() if tensor is not None else zeros.to_local()
+                whole: Any = as_sharded_like(param, local) if sums is not None or tensor is None else local
+                tensors[name] = whole.full_tensor().cpu()
+                sharded.append(name)
+                continue
+            local = tensor.detach() if tensor is not None else torch.zeros_like(param, dtype=dtype)
+            tensors[name] = summed(local).cpu()
+        return stamp(
+            {
+                "kind": "buffers" if in_buffers else "grads",
+                "world_size": world_size,
+                "micro_batches": window.micro_batches,
+                **window.tally.saved(
+                    summed
+                ),  # each quantity, summed over ranks where the ranks' parts differ
+                **self.weighting.state_dict(),
+                **self.scale.state_dict(),
+                "tensors": tensors,
+                "sharded": sharded,  # sharded parameters: each rank takes its shard of the whole at load
+                **({"noise": totals} if (totals := self.noise.window_state(summed)) else {}),
+            }
+        )
+
+    def _expected(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        buffers = self.buffers
+        return {
+            name: (
+                shard.shape if shard is not None else param.shape,  # FSDP1: the whole parameter's
+                buffers.dtype if buffers is not None else param.dtype,
+            )
+            for (name, param), shard in zip(self.tracked.named, self.tracked.flat_shards, strict=True)
+        }
+
+    def check(self, state: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` if the saved window ``state`` does not fit these parameters and ranks."""
+        world_size, _ = self.world.resolve()
+        kind = "buffers" if self.buffers is not None else "grads"
+        check_window_state(state, self._expected(), kind, world_size, self.tracked.sharded_names())
+
+    def load_state_dict(self, state: Mapping[str, Any], window: Window, *, primary: bool = True) -> None:
+        """Put a window checked by :meth:`check` into the new, empty ``window``.
+
+        The saved sums are rescaled from the loss scale (and AMP scale) they were saved with to the current
+        ones, so a window resumes exactly with another K or after the GradScaler changed its scale.
+
+        Args:
+            state: The saved window.
+            window: The open window (empty; its gradients were set to ``None``).
+            primary: Whether this rank takes the saved sums (rank 0); the other ranks start from zero.
+        """
+        tracked, buffers, scale = self.tracked, self.buffers, self.scale
+        expected = self._expected()
+        rescale = scale.rescale_from(dict(state))
+        saved_tensors = state["tensors"]
+        sharded = set(state.get("sharded", ()))
+        saved: list[Tensor | None] = []
+        for (name, param), piece in zip(tracked.named, tracked.flat_shards, strict=True):
+            if name not in saved_tensors:
+                saved.append(None)
+            elif name in sharded and piece is not None:  # FSDP1: every rank, its slice of the whole
+                saved.append(piece.local(saved_tensors[name].to(param.device) * rescale))
+            elif name in sharded:  # every rank: its shard of the whole gradient
+                whole = saved_tensors[name].to(param.device) * rescale
+                shard = distribute_like(param, whole)
+                saved.append(shard.to_local() if buffers is not None else shard)  # type: ignore[attr-defined]
+            elif primary:
+                saved.append(saved_tensors[name].to(param.device) * rescale)
+            else:
+                saved.append(torch.zeros_like(param, dtype=expected[name][1]))
+        window.tally.restore(state, rescale=rescale, primary=primary)
+        self.weighting.load_state_dict(state)
+        if buffers is not None:
+            buffers.load(saved)
         else:
-            saved.append(torch.zeros_like(param, dtype=expected[name][1]))
-    window.tally.restore(state, rescale=rescale, primary=primary)
-    weighting.load_state_dict(state)
-    if buffers is not None:
-        buffers.load(saved)
-    else:
-        for (_, param), tensor in zip(tracked.named, saved, strict=True):
-            param.grad = tensor
-    window.restored(in_buffers=buffers is not None, micro_batches=int(state["micro_batches"]))
+            for (_, param), tensor in zip(tracked.named, saved, strict=True):
+                param.grad = tensor
+        window.restored(in_buffers=buffers is not None, micro_batches=int(state["micro_batches"]))
+        self.noise.restore_window(state.get("noise"), primary=primary)  # older saves: no estimate
