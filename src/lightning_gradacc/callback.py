@@ -35,6 +35,7 @@ from .core.versions import LIGHTNING_FLOOR, require
 from .counters import check_item_count_fn, count_micro_batch
 from .fit_accumulator import ParameterGroups, SavedState, build_accumulator
 from .k_policies import AutoSettings, make_policy
+from .layouts import Layout, layout_of
 from .lr_schedule import TokenSchedule, make_schedule
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
 from .reduction import WindowReduction, check_reduction
@@ -190,6 +191,9 @@ class GradientAccumulationLogic(_LogicBase):
         self._saved = SavedState()  # a checkpoint's state, until the next accumulator takes it
         self._scaler: torch.amp.GradScaler | None = None  # the fit's, set in `setup`
         self._groups = ParameterGroups()  # the optimizers' parameter groups the accumulator tracks
+        self._layout: Layout = (
+            Layout()
+        )  # what the strategy means for the gradients: the fit's, set at train start
         self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
         self._asks_last = False  # whether a backward must know that it ends the window (set at train start)
         self._batch = _Batch(ended=True)
@@ -287,12 +291,10 @@ class GradientAccumulationLogic(_LogicBase):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert trainer.model is not None
         self._trained = True
+        self._layout = layout_of(self._api, trainer)
         try:
-            self._sync = WindowReduction(
-                trainer.model,
-                reduction=self.sharded_reduction,
-                world_size=trainer.world_size,
-                per_micro_batch=self.settings.per_micro_batch,
+            self._sync = self._layout.reduction(
+                trainer, reduction=self.sharded_reduction, per_micro_batch=self.settings.per_micro_batch
             )
         except ValueError as error:
             raise RuntimeError(str(error)) from None
@@ -322,6 +324,7 @@ class GradientAccumulationLogic(_LogicBase):
             settings=self.settings,
             grad_scaler=self._scaler,
             reduction=self._sync,
+            sharded_model=self._layout.sharded_model(trainer, self._sync),
             in_backward=self._accumulate_in_backward,
         )
         self._groups.tracked(trainer)

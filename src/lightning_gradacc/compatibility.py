@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from . import lightning_internals as internals
+from .layouts import layout_of
 from .namespaces import CALLBACK_IMPORTS, LightningNamespace, namespace_of
 
 if TYPE_CHECKING:
@@ -60,47 +61,12 @@ def check_automatic_optimization(pl_module: pl.LightningModule) -> None:
 
 
 def check_strategy(api: LightningNamespace, trainer: pl.Trainer) -> None:
-    """Refuse a strategy whose gradients the callback cannot normalize, clip and count.
+    """Refuse a strategy whose gradients the callback cannot normalize, clip and count (see ``layouts``).
 
-    A strategy that accumulates itself (DeepSpeed), one it does not know, FSDP without the original
-    parameters, and tensor parallelism (its ranks see the same data).
+    A strategy that accumulates itself (DeepSpeed), one no layout accepts, and what a layout refuses (FSDP
+    without the original parameters, tensor parallelism).
     """
-    strategy = trainer.strategy
-    if strategy.handles_gradient_accumulation or "deepspeed" in type(strategy).__name__.lower():
-        raise RuntimeError(
-            f"`{type(strategy).__name__}` performs gradient accumulation itself (its config's"
-            " `gradient_accumulation_steps`). Remove `GradientAccumulationCallback` and configure"
-            " accumulation there."
-        )
-    supported = (
-        api.single_device_strategy,
-        api.ddp_strategy,
-        api.fsdp_strategy,
-        api.model_parallel_strategy,
-    )
-    if not isinstance(strategy, supported):
-        raise RuntimeError(
-            "`GradientAccumulationCallback` supports single-device, DDP, FSDP and ModelParallel (FSDP2)"
-            f" strategies, but the Trainer uses `{type(strategy).__name__}`, whose gradients it cannot"
-            " normalize and clip yet. Use `strategy='ddp'` or `strategy='fsdp'`, or"
-            " `ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)` with `fully_shard` in"
-            " `configure_model`, or remove the callback."
-        )
-    if isinstance(strategy, api.fsdp_strategy) and not internals.fsdp_uses_orig_params(strategy):
-        raise RuntimeError(
-            "`GradientAccumulationCallback` needs `FSDPStrategy(use_orig_params=True)` (Lightning's"
-            " default), but `use_orig_params=False` was passed: the optimizer then holds flat parameters"
-            " that mix many tensors, which neither per-parameter clipping nor the statistics can tell"
-            " apart."
-        )
-    tensor_parallel = internals.tensor_parallel_size(strategy)
-    if isinstance(strategy, api.model_parallel_strategy) and tensor_parallel != 1:
-        raise RuntimeError(
-            f"`GradientAccumulationCallback` supports `ModelParallelStrategy` with data parallelism only"
-            f" (FSDP2), but `tensor_parallel_size={tensor_parallel}`: ranks of a tensor-parallel group"
-            " see the same data, which item counts summed over every rank would count twice. Use"
-            f" `ModelParallelStrategy(data_parallel_size={trainer.world_size}, tensor_parallel_size=1)`."
-        )
+    layout_of(api, trainer)
 
 
 def check_callbacks(
@@ -170,7 +136,7 @@ def check_gradient_clip_val(
     algorithm = trainer.gradient_clip_algorithm
     if (
         trainer.gradient_clip_val
-        and isinstance(trainer.strategy, api.fsdp_strategy)
+        and not layout_of(api, trainer).lightning_clips_by_norm
         and str(getattr(algorithm, "value", algorithm) or "norm") == "norm"
     ):
         raise RuntimeError(

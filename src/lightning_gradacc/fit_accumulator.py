@@ -171,6 +171,7 @@ def build_accumulator(
     settings: AccumulationSettings,
     grad_scaler: Any,
     reduction: WindowReduction,
+    sharded_model: torch.nn.Module | None,
     in_backward: bool,
 ) -> GradAccumulator:
     """The accumulator of a fit, over what the Trainer's optimizers step.
@@ -182,7 +183,8 @@ def build_accumulator(
         pl_module: The module trained.
         settings: The callback's math settings.
         grad_scaler: The fit's GradScaler, or ``None``.
-        reduction: How the ranks reduce the window (who averages, whether FSDP shards).
+        reduction: How the ranks reduce the window (who averages).
+        sharded_model: The model FSDP shards, whose gradients the core finds per shard (``Layout``).
         in_backward: Whether buffers may take each gradient inside the backward.
     """
     return GradAccumulator(
@@ -190,7 +192,7 @@ def build_accumulator(
         world_size=trainer.world_size,
         settings=settings,
         grad_scaler=grad_scaler,
-        fsdp_module=trainer.model if reduction.sharded else None,  # FSDP1's flat slices, FSDP2's gradients
+        fsdp_module=sharded_model,  # FSDP1's flat slices, FSDP2's gradients
         reduce_gradients=reduction.core_reduces,
         accumulate_in_backward=in_backward and reduction.gradients_in_backward,
     )
