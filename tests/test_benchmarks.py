@@ -1,4 +1,4 @@
-"""Tiny runs of ``python -m benchmarks --quick`` and ``benchmarks.hook_cost``: the code keeps working.
+"""Tiny runs of ``python -m benchmarks --quick``, ``benchmarks.hook_cost`` and ``benchmarks.call_path``.
 
 Both run in one child process (each would import torch and Lightning again), as their command lines do.
 """
@@ -18,6 +18,9 @@ runpy.run_module("benchmarks", run_name="__main__")
 print("=== hook_cost ===", flush=True)
 sys.argv = ["benchmarks.hook_cost", "--quick", "--ks", "2"]
 runpy.run_module("benchmarks.hook_cost", run_name="__main__")
+print("=== call_path ===", flush=True)
+sys.argv = ["benchmarks.call_path", "--modes", "default", "--list"]
+runpy.run_module("benchmarks.call_path", run_name="__main__")
 """
 
 
@@ -39,7 +42,11 @@ def test_benchmarks_and_the_hook_cost_run_tiny_and_report(tmp_path: Path) -> Non
     assert "nan" not in report.lower()
     sync_rows = [line for line in report.splitlines() if line.startswith("| callback")][-3:]
     assert all(line.split("|")[2].strip() == "0" for line in sync_rows)  # no sync while accumulating
-    hook_cost = result.stdout.split("=== hook_cost ===", 1)[1]
+    hook_cost, call_path = result.stdout.split("=== hook_cost ===", 1)[1].split("=== call_path ===")
+    row = next(line for line in call_path.splitlines() if line.startswith("| default |"))
+    files, entries = (int(cell) for cell in row.split("|")[2:4])
+    assert files > 0 and entries > 0  # a stepping micro-batch passes the callback and enters the core
+    assert "callback.py" in call_path and "core/window_end.py" in call_path
     for heading in (
         "K=2: time per micro-batch",
         "K=2: µs per micro-batch inside each hook",
