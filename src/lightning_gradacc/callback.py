@@ -283,10 +283,6 @@ class GradientAccumulationLogic(_LogicBase):
         )
         compat.verify(phase, facts)
 
-    def _check_compatibility(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The checks made before anything is built (``compatibility.CHECKS["configuration"]``)."""
-        self._verify("configuration", trainer, pl_module)
-
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert trainer.model is not None

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .core import AccumulationStats, GradAccumulator
-from .core.checkpoint import check_format
+from .core.checkpoint import check_format, stamp
 from .core.settings import AccumulationSettings
 from .core.statistics import RunStatistics
 
@@ -118,17 +118,17 @@ class SavedState:
                 " window holds that micro-batch, while Lightning restarts the batch's index when it resumes,"
                 " so a resume from it is not exact. Checkpoints taken at a batch's end resume exactly."
             )
-        return {
-            "accumulator": accumulator.state_dict() if accumulator is not None else None,
-            "window": window,
-        }
+        return stamp(
+            {"accumulator": accumulator.state_dict() if accumulator is not None else None, "window": window}
+        )
 
     def load(self, state_dict: dict[str, Any]) -> None:
         """Keep a checkpoint's entry for the next accumulator; refuse another format version now.
 
-        Each part carries the format version (see ``core.checkpoint.stamp``); it is checked here, at the
-        load, not when a later accumulator takes the part.
+        The entry and each part carry the format version (see ``core.checkpoint.stamp``); they are checked
+        here, at the load, not when a later accumulator takes a part.
         """
+        check_format(state_dict, "`GradientAccumulationCallback` state")
         counters, window = state_dict.get("accumulator"), state_dict.get("window")
         for part, what in ((counters, "accumulator state"), (window, "pending accumulation window")):
             if part is not None:

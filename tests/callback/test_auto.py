@@ -523,3 +523,19 @@ def test_goodput_resumes_at_every_position_of_a_window_as_the_uninterrupted_run(
         assert [s for s, _ in noise] == [s for s, _ in expected_noise], at
         assert [v for _, v in noise] == pytest.approx([v for _, v in expected_noise], rel=1e-12), at
         assert h.max_abs_diff(resumed.net, whole.net) < 1e-6, at
+
+
+def test_a_format_3_state_with_the_timings_as_a_list_loads_as_the_new_form() -> None:
+    """Format 3 saved goodput's open-window timings as a list in `TIMINGS` order: still read."""
+    policy = decided(AutoSettings(rule="goodput", patience=1))
+    ticks = iter([0.0, 1.5, 4.0])
+    policy.clock = lambda: next(ticks, 4.0)  # type: ignore[method-assign]  # then still at 4 s (the save)
+    for _ in range(3):
+        policy.batch_started()
+    state = policy.state_dict()
+    assert state["timed"]["accumulating_seconds"] == 4.0 and state["timed"]["accumulating_batches"] == 2.0
+    old = {**state, "timed": [state["timed"][name] for name in TIMINGS]}
+    restored = [AutoK(AutoSettings(rule="goodput", patience=1)).for_fit(1) for _ in range(2)]
+    for saved, into in zip((state, old), restored, strict=True):
+        into.load_state_dict(saved)
+    assert restored[0].state_dict()["timed"] == restored[1].state_dict()["timed"] == state["timed"]

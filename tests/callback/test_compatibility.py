@@ -78,7 +78,7 @@ def test_deepspeed_like_strategy_is_rejected() -> None:
     callback = GradientAccumulationCallback(2)
     trainer = SimpleNamespace(strategy=AccumulatingStrategy(device=torch.device("cpu")), callbacks=[callback])
     with pytest.raises(RuntimeError, match="performs gradient accumulation itself"):
-        callback._check_compatibility(trainer, h.RegressionModule(h.regression_data(8)))  # type: ignore[arg-type]
+        callback._verify("configuration", trainer, h.RegressionModule(h.regression_data(8)))  # type: ignore[arg-type]
 
 
 def _third_party_strategy(base: type) -> Any:
@@ -97,17 +97,17 @@ def test_an_unsupported_strategy_is_rejected() -> None:
         RuntimeError,
         match=r"supports single-device, DDP, FSDP and ModelParallel \(FSDP2\) strategies.*HivemindStrategy",
     ):
-        callback._check_compatibility(trainer, h.RegressionModule(h.regression_data(8)))  # type: ignore[arg-type]
+        callback._verify("configuration", trainer, h.RegressionModule(h.regression_data(8)))  # type: ignore[arg-type]
 
 
 def test_fsdp_is_accepted_with_original_parameters_only() -> None:
     callback = GradientAccumulationCallback(2)
     module = h.RegressionModule(h.regression_data(8))
     trainer = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[callback])
-    callback._check_compatibility(trainer, module)  # type: ignore[arg-type]
+    callback._verify("configuration", trainer, module)  # type: ignore[arg-type]
     trainer = SimpleNamespace(strategy=FSDPStrategy(use_orig_params=False), callbacks=[callback])
     with pytest.raises(RuntimeError, match=r"needs `FSDPStrategy\(use_orig_params=True\)`.*flat parameters"):
-        callback._check_compatibility(trainer, module)  # type: ignore[arg-type]
+        callback._verify("configuration", trainer, module)  # type: ignore[arg-type]
 
 
 def test_double_clipping_warns() -> None:

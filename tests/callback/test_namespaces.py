@@ -161,12 +161,12 @@ def test_a_sharded_strategy_is_refused_with_lightning_pytorch_classes() -> None:
         RuntimeError,
         match=r"DDP, FSDP and ModelParallel \(FSDP2\) strategies, but the Trainer uses `Hivemind",
     ):
-        lit.GradientAccumulationCallback(4)._check_compatibility(
-            _FakeTrainer(other.__new__(other)), h.LitRegressionModule()
+        lit.GradientAccumulationCallback(4)._verify(
+            "configuration", _FakeTrainer(other.__new__(other)), h.LitRegressionModule()
         )
     for accepted in (L.strategies.DDPStrategy(), L.strategies.FSDPStrategy()):
-        lit.GradientAccumulationCallback(4)._check_compatibility(
-            _FakeTrainer(accepted), h.LitRegressionModule()
+        lit.GradientAccumulationCallback(4)._verify(
+            "configuration", _FakeTrainer(accepted), h.LitRegressionModule()
         )
 
 

@@ -121,10 +121,72 @@ def test_a_window_of_an_unreleased_format_is_refused_before_anything_changes() -
     restored = GradAccumulator(restored_net.named_parameters(), 2)
     restored.loss_scale = 0.5
     old = {key: value for key, value in state.items() if key not in ("loss_scale", "amp_scale")}
-    with pytest.raises(ValueError, match="has format version 2; this version of lightning_gradacc reads 3"):
+    with pytest.raises(
+        ValueError, match="has format version 2; this version of lightning_gradacc reads 3 and 4"
+    ):
         restored.load_window_state_dict({**old, "version": 2})
     with pytest.raises(ValueError, match=r"is missing \['loss_scale', 'amp_scale'\]"):
         restored.load_window_state_dict(old)
     assert restored_net.weight.grad is None and restored.window.empty
     restored.load_window_state_dict(state)
     assert torch.equal(restored_net.weight.grad, net.weight.grad)
+
+
+def _noise_window() -> tuple[nn.Linear, GradAccumulator, dict]:
+    """A window of 2 of K=3 micro-batches with the noise scale on, saved."""
+    torch.manual_seed(0)
+    net = nn.Linear(2, 1)
+    accumulator = GradAccumulator(net.named_parameters(), 3, noise_scale=True)
+    for i in range(2):
+        accumulator.backward(net(torch.randn(4, 2) + i).square().mean(), items=4)
+    state = accumulator.window_state_dict()
+    assert state is not None and isinstance(state["noise"]["totals"], dict)
+    return net, accumulator, state
+
+
+def _finish(net: nn.Linear, accumulator: GradAccumulator) -> tuple[torch.Tensor, float, float]:
+    torch.manual_seed(1)
+    accumulator.backward(net(torch.randn(4, 2)).square().mean(), items=4)
+    assert accumulator.finalize()
+    stats = accumulator.stats
+    assert net.weight.grad is not None
+    return net.weight.grad.clone(), stats.grad_sq_norm_estimate, stats.trace_sigma_estimate
+
+
+def test_a_format_3_window_with_its_noise_totals_as_a_list_resumes_as_the_new_form() -> None:
+    """Format 3 saved the noise scale's window totals as a list in `noise.TOTALS` order: still read."""
+    from lightning_gradacc.core.noise import TOTALS
+
+    saved_net, _, state = _noise_window()
+    old = {
+        **state,
+        "version": 3,
+        "noise": {**state["noise"], "totals": [state["noise"]["totals"][n] for n in TOTALS]},
+    }
+    results = []
+    for saved in (state, old):
+        net = nn.Linear(2, 1)
+        net.load_state_dict(saved_net.state_dict())
+        restored = GradAccumulator(net.named_parameters(), 3, noise_scale=True)
+        restored.load_window_state_dict(saved)
+        results.append(_finish(net, restored))
+    (new_grad, *new_noise), (old_grad, *old_noise) = results
+    assert torch.equal(new_grad, old_grad) and new_noise == old_noise
+    assert all(value == value for value in new_noise)  # measured (not nan): the totals went on
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda n: {**n, "totals": {k: v for k, v in n["totals"].items() if k != "unusable"}},
+        lambda n: {**n, "totals": list(n["totals"].values())[:5]},
+        lambda n: {k: v for k, v in n.items() if k != "micro_batches"},
+    ],
+)
+def test_a_window_with_unreadable_noise_totals_is_refused_before_anything_changes(bad: object) -> None:
+    _, _, state = _noise_window()
+    net = nn.Linear(2, 1)
+    restored = GradAccumulator(net.named_parameters(), 3, noise_scale=True)
+    with pytest.raises(ValueError, match="noise-scale totals that cannot be read"):
+        restored.load_window_state_dict({**state, "noise": bad(state["noise"])})  # type: ignore[operator]
+    assert net.weight.grad is None and restored.window.empty

@@ -133,3 +133,18 @@ def test_strategy_classes_are_asked_only_by_the_layouts() -> None:
 
 def _cpu() -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float64
+
+
+def test_the_settings_scaling_mode_survives_pickling_also_from_a_pickle_without_it() -> None:
+    """`mode` is an attribute set from `scaling` (ddp_spawn pickles the settings); a settings object pickled
+    before it existed gets it when unpickled."""
+    import pickle
+
+    from lightning_gradacc.core.scaling import SCALING_MODES
+    from lightning_gradacc.core.settings import AccumulationSettings
+
+    settings = AccumulationSettings(scaling="dynamic")
+    assert pickle.loads(pickle.dumps(settings)).mode is SCALING_MODES["weighted"]
+    older = AccumulationSettings.__new__(AccumulationSettings)
+    older.__setstate__({k: v for k, v in settings.__dict__.items() if k != "mode"})
+    assert older.mode is SCALING_MODES["weighted"] and older == settings

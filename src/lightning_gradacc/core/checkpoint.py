@@ -1,8 +1,10 @@
 """The checkpoint formats: one version number for everything this package saves, and the window check.
 
 ``FORMAT_VERSION`` is written by :func:`stamp` alone (into the accumulator's counters and its open window, the
-two forms a plain loop saves; the callback's entry holds both) and read by :func:`check_format` alone (1 and 2
-were never released). A format change raises it, and the one reader says which version it found.
+two forms a plain loop saves, and the callback's entry holding both) and read by :func:`check_format` alone.
+A format change raises it, and the one reader says which version it found. Version 4 saves the noise scale's
+window totals and ``"auto"``'s timings by name; 3 (the same, as lists in their declared order) is still read;
+1 and 2 were never released.
 
 The saved window holds its summed gradients (``.grad`` or the buffers) and its counters. Loading it is
 all-or-nothing: every check runs before anything is modified, and the first mismatch is named.
@@ -24,7 +26,8 @@ from .weighting import GradientScale, ItemWeighting
 from .window import NAMES, Window, WindowState
 from .world import World
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (3, FORMAT_VERSION)  # 3: totals and timings as lists (read by their declared order)
 
 
 def stamp(state: dict[str, Any]) -> dict[str, Any]:
@@ -32,7 +35,7 @@ def stamp(state: dict[str, Any]) -> dict[str, Any]:
 
     Example:
         >>> stamp({"windows": 2})
-        {'version': 3, 'windows': 2}
+        {'version': 4, 'windows': 2}
     """
     return {"version": FORMAT_VERSION, **state}
 
@@ -44,13 +47,14 @@ def check_format(state: Mapping[str, Any], what: str) -> None:
         >>> check_format({"version": 2}, "accumulator state")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: The checkpoint's accumulator state has format version 2; this version of ... reads 3.
+        ValueError: The checkpoint's accumulator state has format version 2; this version ... reads 3 and 4.
     """
     version = state.get("version") if isinstance(state, Mapping) else None
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS or type(version) is not int:
+        readable = " and ".join(str(v) for v in READABLE_VERSIONS)
         raise ValueError(
             f"The checkpoint's {what} has format version {version!r}; this version of lightning_gradacc reads"
-            f" {FORMAT_VERSION}."
+            f" {readable}."
         )
 
 
@@ -260,6 +264,7 @@ class WindowCheckpoint:
         world_size, _ = self.world.resolve()
         kind = "buffers" if self.buffers is not None else "grads"
         check_window_state(state, self._expected(), kind, world_size, self.tracked.sharded_names())
+        self.noise.check_window(state.get("noise"))  # its totals too: nothing is loaded if they do not fit
 
     def load_state_dict(self, state: Mapping[str, Any], window: Window, *, primary: bool = True) -> None:
         """Put a window checked by :meth:`check` into the new, empty ``window``.

@@ -334,15 +334,26 @@ class NoiseScale:
             "unit_missing": self._unit_missing,
         }
 
+    @staticmethod
+    def check_window(state: Mapping[str, Any] | None) -> None:
+        """Raise ``ValueError`` if a saved window's totals (see :meth:`window_state`) cannot be restored."""
+        if state is None:
+            return
+        try:
+            _saved_totals(state)
+            int(state["micro_batches"]), bool(state["unit_missing"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(
+                f"The checkpoint's pending window has noise-scale totals that cannot be read ({error!r}): it"
+                f" needs `totals` ({', '.join(TOTALS)}), `micro_batches` and `unit_missing`."
+            ) from None
+
     def restore_window(self, state: Mapping[str, Any] | None, *, primary: bool) -> None:
         """Take a saved window's totals (``None``: saved without them: the window gives no estimate)."""
         if state is None:
             self.mark_unusable()
             return
-        saved = state["totals"]
-        if not isinstance(saved, Mapping):  # saved by an earlier release: a list in the order of TOTALS
-            saved = dict(zip(TOTALS, saved, strict=True))
-        totals = {name: float(saved[name]) for name in TOTALS}
+        totals = _saved_totals(state)
         self._host = totals if primary else dict.fromkeys(TOTALS, 0.0)
         self._unusable = primary and totals["unusable"] > 0
         self._micro_batches_recorded = int(state["micro_batches"])
@@ -494,6 +505,14 @@ class NoiseScale:
         self.average_weight = float(state["average_weight"])
 
 
+def _saved_totals(state: Mapping[str, Any]) -> dict[str, float]:
+    """A saved window's :data:`TOTALS` by name (format 3 saved them as a list in that order)."""
+    saved = state["totals"]
+    if not isinstance(saved, Mapping):
+        saved = dict(zip(TOTALS, saved, strict=True))
+    return {name: float(saved[name]) for name in TOTALS}
+
+
 def noise_scale_for(
     settings: Any,
     tracked: TrackedParameters,
@@ -580,6 +599,10 @@ class NoNoiseScale:
     def window_state(self, summed: Callable[[Tensor], Tensor]) -> None:
         """Nothing to save."""
         return None
+
+    @staticmethod
+    def check_window(state: Mapping[str, Any] | None) -> None:
+        """Nothing to check (a saved run's totals are ignored)."""
 
     def restore_window(self, state: Mapping[str, Any] | None, *, primary: bool) -> None:
         """Nothing to restore."""

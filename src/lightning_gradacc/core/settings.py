@@ -361,6 +361,11 @@ class AccumulationSettings:
 
     mode: ClassVar[ScalingMode]  # set per instance from `scaling` (see `core.scaling`)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle (``ddp_spawn``), also a settings object pickled before ``mode`` existed."""
+        self.__dict__.update(state)
+        object.__setattr__(self, "mode", SCALING_MODES[self.scaling])
+
     def __post_init__(self) -> None:
         for setting in fields(self):  # each value checked and normalized by its own declaration
             object.__setattr__(self, setting.name, setting.metadata["check"](getattr(self, setting.name)))
