@@ -16,6 +16,7 @@ import lightning as L
 import pytest
 import torch
 from examples import fabric_accumulation as recipe
+from lightning.fabric.strategies.launchers import multiprocessing as fabric_launchers
 from torch import nn
 
 from tests import helpers as h
@@ -85,9 +86,21 @@ def _two_processes(fabric: L.Fabric, folder: Path) -> None:
         torch.save(result, folder / "result.pt")
 
 
+class _ExitTogetherLauncher(fabric_launchers._MultiProcessingLauncher):
+    """Fabric's ``ddp_spawn`` launcher whose workers end by ``helpers.exit_together`` once rank 0's result
+    is queued: the counting comm hook's Python callbacks otherwise race gloo's threads at the interpreter's
+    teardown (an occasional SIGABRT after all the work is done; see there)."""
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        h.exit_together()
+
+
 @pytest.mark.slow
 def test_two_ddp_processes_equal_the_big_batch_and_resume_inside_a_window(tmp_path: Path) -> None:
-    recipe.fabric_for(2).launch(_two_processes, tmp_path)
+    fabric = recipe.fabric_for(2)
+    fabric._strategy._launcher = _ExitTogetherLauncher(fabric._strategy, start_method="spawn")
+    fabric.launch(_two_processes, tmp_path)
     uninterrupted, resumed, windows, all_reduces = torch.load(tmp_path / "result.pt")
     assert windows == 6  # 12 micro-batches per rank and epoch, windows of 4
     assert all_reduces == windows  # once per window: the other backwards ran under `no_backward_sync`
