@@ -33,6 +33,7 @@ from .core.settings import SETTINGS, AccumulationSettings, with_setting_docs
 from .core.torch_internals import disarm
 from .core.versions import LIGHTNING_FLOOR, require
 from .counters import check_item_count_fn, count_micro_batch
+from .engine_window import EngineWindow
 from .fit_accumulator import ParameterGroups, SavedState, build_accumulator
 from .k_policies import AutoSettings, make_policy
 from .layouts import Layout, layout_of
@@ -187,7 +188,7 @@ class GradientAccumulationLogic(_LogicBase):
         self.log_stats = log_stats
 
         self._stage: str | None = None  # the stage of the last `setup`
-        self._accumulator: GradAccumulator | None = None
+        self._accumulator: GradAccumulator | EngineWindow | None = None
         self._saved = SavedState()  # a checkpoint's state, until the next accumulator takes it
         self._scaler: torch.amp.GradScaler | None = None  # the fit's, set in `setup`
         self._groups = ParameterGroups()  # the optimizers' parameter groups the accumulator tracks
@@ -243,7 +244,7 @@ class GradientAccumulationLogic(_LogicBase):
         return self.plan.items_consumed
 
     @property
-    def accumulator(self) -> GradAccumulator | None:
+    def accumulator(self) -> GradAccumulator | EngineWindow | None:
         """The core accumulator of the current run (``None`` before training starts)."""
         return self._accumulator
 
@@ -272,8 +273,17 @@ class GradientAccumulationLogic(_LogicBase):
             # the last fit raised inside a window: it can never be stepped, and any K may follow
             self._accumulator.reset(set_grads_to_none=True)
         self.plan.start_fit(trainer, self._api.rank_zero_warn)
+        # a strategy that accumulates itself: Lightning steps at an epoch's end only where `ready % K == 0`
+        self.plan.closes_epoch_tail = bool(trainer.strategy.handles_gradient_accumulation)
         self._scaler = internals.grad_scaler(trainer)
         self._verify("setup", trainer, pl_module)
+        layout_of(self._api, trainer).prepare(  # before the strategy's setup reads its configuration
+            trainer,
+            self.settings,
+            plan=self.plan,
+            sharded_reduction=self.sharded_reduction,
+            warn=self._api.rank_zero_warn,
+        )
         self._go_first(trainer)
 
     def _verify(self, phase: compat.Phase, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -314,15 +324,19 @@ class GradientAccumulationLogic(_LogicBase):
         previous = self._accumulator
         if previous is not None:
             previous.remove_hooks()  # its noise-scale hook must not keep measuring
-        accumulator = build_accumulator(
-            trainer,
-            pl_module,
-            settings=self.settings,
-            grad_scaler=self._scaler,
-            reduction=self._sync,
-            sharded_model=self._layout.sharded_model(trainer, self._sync),
-            in_backward=self._accumulate_in_backward,
-        )
+        accumulator: GradAccumulator | EngineWindow
+        if self._layout.engine_accumulates:  # the engine keeps the window: the callback drives it
+            accumulator = self._layout.engine_window(trainer, self.settings)
+        else:
+            accumulator = build_accumulator(
+                trainer,
+                pl_module,
+                settings=self.settings,
+                grad_scaler=self._scaler,
+                reduction=self._sync,
+                sharded_model=self._layout.sharded_model(trainer, self._sync),
+                in_backward=self._accumulate_in_backward,
+            )
         self._groups.tracked(trainer)
         try:  # K and the loss scale first: a restored window's sums are rescaled to them
             self.plan.attach(trainer, accumulator, self._api.rank_zero_warn)
@@ -331,6 +345,15 @@ class GradientAccumulationLogic(_LogicBase):
         except BaseException:
             accumulator.remove_hooks()  # it will never be used: its noise-scale hooks must not stay
             raise
+        restored_inside = self.plan.position.batches_in_window
+        if isinstance(accumulator, EngineWindow) and restored_inside:
+            accumulator.lost(restored_inside)
+            self._api.rank_zero_warn(
+                f"Resumed inside a window under DeepSpeed: the gradients of its first {restored_inside}"
+                " micro-batch(es) are in no DeepSpeed checkpoint, so this window steps on its remaining"
+                " micro-batches alone (normalized over them). Checkpoints taken at a window's end resume"
+                " exactly."
+            )
         self._accumulator = accumulator
         # FSDP reducing at the window's end, or the core flushing its buffers for DDP or a GradScaler
         self._asks_last = self._sync.defers or accumulator.uses_last
@@ -368,6 +391,8 @@ class GradientAccumulationLogic(_LogicBase):
         if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
             self._groups.follow(trainer, pl_module, accumulator)  # window measures the new set from its start
         self.plan.batch_start(trainer)  # a window opening here gets its K
+        if isinstance(accumulator, EngineWindow):
+            accumulator.batch_start()  # the engine learns, before the forward, whether the window ends
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
         if not internals.backward_skipped(trainer):
             if not accumulator.window.empty and lightning_zeroes:
@@ -417,6 +442,12 @@ class GradientAccumulationLogic(_LogicBase):
     ) -> None:
         accumulator, current, scaler = self._accumulator, self._batch, self._scaler
         assert accumulator is not None
+        if isinstance(accumulator, EngineWindow):  # called every micro-batch: the engine steps at its end
+            if not internals.should_accumulate(trainer) and not current.finalized:
+                accumulator.end_window()
+                self.plan.window_closed(accumulator)
+                current.finalized = True
+            return
         self._groups.follow(trainer, pl_module, accumulator)
         if not current.backward_ran and not accumulator.window.empty:
             self._verify("window_end", trainer, pl_module)
@@ -469,11 +500,15 @@ class GradientAccumulationLogic(_LogicBase):
         if not self._batch.finalized:
             return
         self._resume_clipping()
+        accumulator = self._accumulator
+        if isinstance(accumulator, EngineWindow):  # its norm and fp16 overflows, known after its step
+            accumulator.after_step()
+            self._skips.update(accumulator.stats.skipped_steps, trainer.global_step, self._api.rank_zero_warn)
         if self.log_stats and internals.logs_this_step(trainer):
             # to the loggers and `callback_metrics` (`ddp_spawn` returns these, `ModelCheckpoint` reads them)
             logged = self.metrics()
             internals.log_step_metrics(trainer, logged)
-            if self._stepped_on_device and logged:  # skipped on the device: counted at this read
+            if self._stepped_on_device and logged:  # skipped on the device (or by an engine): counted here
                 skipped = int(logged["grad_accum/skipped_steps"])
                 self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)
         elif self.log_stats and self._monitored:  # `callback_metrics` at every step for a monitor (0.3 ms)
@@ -481,8 +516,12 @@ class GradientAccumulationLogic(_LogicBase):
 
     def metrics(self) -> dict[str, float]:
         """The scalars logged under ``grad_accum/`` (:func:`~lightning_gradacc.reporting.step_metrics`)."""
+        accumulator = self._accumulator
         return step_metrics(
-            self._accumulator, noise_scale=self.settings.noise_scale, plan=self.plan.metrics()
+            accumulator,
+            noise_scale=self.settings.noise_scale,
+            plan=self.plan.metrics(),
+            absent=accumulator.absent if isinstance(accumulator, EngineWindow) else frozenset(),
         )
 
     def _resume_clipping(self) -> None:
@@ -548,6 +587,15 @@ class GradientAccumulationLogic(_LogicBase):
         """
         warn = self._api.rank_zero_warn
         batch = self._batch
+        accumulator = self._accumulator
+        if isinstance(accumulator, EngineWindow) and not accumulator.window.empty:
+            warn(
+                "This checkpoint is taken inside a window of"
+                f" {accumulator.window.micro_batches} micro-batch(es) under DeepSpeed, whose checkpoint holds"
+                " no accumulated gradients: a resume from it steps that window on its remaining"
+                " micro-batches alone. Save at a window's end"
+                " (`ModelCheckpoint(every_n_train_steps=...)`) to resume exactly."
+            )
         entry = SavedState.save(
             self._accumulator, mid_batch=batch.recorded, in_batch=not batch.ended, warn=warn
         )

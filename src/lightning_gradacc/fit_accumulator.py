@@ -26,6 +26,7 @@ from .core.statistics import RunStatistics
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
+    from .engine_window import EngineWindow
     from .reduction import WindowReduction
 
 
@@ -85,7 +86,7 @@ class SavedState:
 
     @staticmethod
     def save(
-        accumulator: GradAccumulator | None,
+        accumulator: GradAccumulator | EngineWindow | None,
         *,
         mid_batch: bool,
         warn: Callable[[str], Any],
@@ -146,7 +147,11 @@ class SavedState:
         return statistics.snapshot(accumulation_steps=accumulation_steps)
 
     def restore(
-        self, accumulator: GradAccumulator, previous: GradAccumulator | None, *, primary: bool
+        self,
+        accumulator: GradAccumulator | EngineWindow,
+        previous: GradAccumulator | EngineWindow | None,
+        *,
+        primary: bool,
     ) -> None:
         """Load the counters (a checkpoint's, else the previous fit's) and a saved window into a new one.
 
@@ -213,7 +218,7 @@ class ParameterGroups:
         self.signature = param_groups_signature(trainer)
 
     def follow(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, accumulator: GradAccumulator
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, accumulator: GradAccumulator | EngineWindow
     ) -> None:
         """Track the optimized parameters again if a group was added or changed since the last look."""
         signature = param_groups_signature(trainer)

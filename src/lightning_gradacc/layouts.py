@@ -5,22 +5,29 @@ window's gradients are reduced over the ranks (a :class:`~lightning_gradacc.redu
 the wrapped model), and where the core finds them (FSDP's flat slices or ``DTensor`` shards, which the core
 then norms, clips and saves per shard group). The callback asks the layout of its Trainer's strategy
 (:func:`layout_of`) and nothing else about the strategy, so a new engine is one more :class:`Layout` in
-:data:`LAYOUTS`.
+:data:`LAYOUTS`. An engine that keeps the window's gradients itself (DeepSpeed) is not accumulated by the core
+but driven (:mod:`~lightning_gradacc.engine_window`): its layout says so (``engine_accumulates``), maps the
+settings it can take into the engine's configuration at ``setup`` and refuses the others there.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import lightning_internals as internals
+from .engine_window import EngineWindow
 from .reduction import WindowReduction
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
+    from .core.settings import AccumulationSettings
     from .namespaces import LightningNamespace
+    from .window_plan import WindowPlan
 
 
 class Layout:
@@ -31,11 +38,14 @@ class Layout:
         strategy: The name of the strategy class in the Trainer's namespace (``LightningNamespace``).
         lightning_clips_by_norm: Whether Lightning's own ``gradient_clip_val`` by norm works here (its
             ``FSDPPrecision`` refuses it).
+        engine_accumulates: The strategy's engine keeps the window's gradients: the callback drives it
+            (:meth:`engine_window`) instead of the core accumulating ``.grad``.
     """
 
     name = "single-device"
     strategy = "single_device_strategy"
     lightning_clips_by_norm = True
+    engine_accumulates = False
 
     def accepts(self, api: LightningNamespace, strategy: Any) -> bool:
         """Whether ``strategy`` (of the Trainer's namespace ``api``) is of this layout."""
@@ -43,6 +53,21 @@ class Layout:
 
     def refuse(self, trainer: pl.Trainer) -> None:
         """Raise ``RuntimeError`` for a configuration of this strategy the callback cannot make exact."""
+
+    def prepare(
+        self,
+        trainer: pl.Trainer,
+        settings: AccumulationSettings,
+        *,
+        plan: WindowPlan,
+        sharded_reduction: str,
+        warn: Callable[[str], Any],
+    ) -> None:
+        """At ``setup``, before the strategy's: refuse settings that cannot take effect, map the others."""
+
+    def engine_window(self, trainer: pl.Trainer, settings: AccumulationSettings) -> EngineWindow:
+        """The driver of an engine that accumulates itself (only where ``engine_accumulates``)."""
+        raise NotImplementedError(f"{self.name} does not accumulate in an engine of its own")
 
     def reduction(self, trainer: pl.Trainer, *, reduction: str, per_micro_batch: bool) -> WindowReduction:
         """Which backward of a window reduces its gradients over the ranks, and who reduces them."""
@@ -98,25 +123,179 @@ class ModelParallel(Layout):
             )
 
 
-LAYOUTS: tuple[Layout, ...] = (Layout(), DataParallel(), FullyShardedV1(), ModelParallel())
+class _DeepSpeedEngine:
+    """DeepSpeed's engine as an :class:`~lightning_gradacc.engine_window.Engine`: the one place of its API."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.gradient_accumulation_steps = int(engine.gradient_accumulation_steps())
+
+    def set_boundary(self, last: bool) -> None:
+        self._engine.set_gradient_accumulation_boundary(last)
+
+    def drop_gradients(self) -> None:
+        engine = self._engine
+        if engine.zero_optimization():  # ZeRO's optimizer holds the reduced and the pending partitions
+            engine.optimizer.zero_grad(set_to_none=True)
+        else:
+            engine.zero_grad()
+
+    def skipped_steps(self) -> int:
+        return int(self._engine.skipped_steps)
+
+    def grad_norm(self) -> float | None:
+        norm = self._engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+
+def _refused(setting: str, why: str) -> RuntimeError:
+    return RuntimeError(
+        f"`GradientAccumulationCallback({setting})` cannot take effect under DeepSpeed: {why}"
+    )
+
+
+class DeepSpeed(Layout):
+    """Lightning's ``DeepSpeedStrategy``, ZeRO stages 0-2: the engine accumulates, the callback drives it.
+
+    DeepSpeed keeps the window's gradients in its engine (ZeRO-1/2 in partitioned buffers, no ``.grad``),
+    reduces them at the boundary and steps, clips and skips fp16 overflows itself. The callback tells the
+    engine at each micro-batch's start whether it ends the window, and weighs each loss in place so that
+    Lightning's and the engine's divisions are undone and the window is normalized as one big batch
+    (:mod:`~lightning_gradacc.engine_window`). ``max_grad_norm`` becomes the config's ``gradient_clipping``.
+    """
+
+    name = "DeepSpeed (ZeRO 0-2)"
+    strategy = "deepspeed_strategy"
+    engine_accumulates = True
+
+    def refuse(self, trainer: pl.Trainer) -> None:
+        """ZeRO stage 3."""
+        zero = (getattr(trainer.strategy, "config", None) or {}).get("zero_optimization") or {}
+        if zero.get("stage") == 3:
+            raise RuntimeError(
+                "`GradientAccumulationCallback` supports `DeepSpeedStrategy` with ZeRO stages 0, 1 and 2,"
+                " but stage 3 is configured: its exactness under the callback's window boundaries is not"
+                " verified yet. Use `strategy='deepspeed_stage_2'`, or FSDP"
+                " (`ModelParallelStrategy` with `fully_shard`), which shards parameters too."
+            )
+
+    def prepare(
+        self,
+        trainer: pl.Trainer,
+        settings: AccumulationSettings,
+        *,
+        plan: WindowPlan,
+        sharded_reduction: str,
+        warn: Callable[[str], Any],
+    ) -> None:
+        """Refuse what the engine cannot do; put ``max_grad_norm`` into its ``gradient_clipping``."""
+        if settings.mode.weighted:
+            raise _refused(
+                "scaling='weighted'",
+                "each micro-batch's weight needs the window's item total over the ranks before its"
+                " backward, and DeepSpeed keeps no `.grad` to rescale afterwards. Use 'mean' or 'sum'.",
+            )
+        if settings.noise_scale:
+            raise _refused(
+                "noise_scale=True or accumulation_steps='auto'",
+                "the noise scale needs each micro-batch's gradient, which DeepSpeed sums inside its engine.",
+            )
+        if settings.per_micro_batch:
+            raise _refused(
+                f"clip_mode={settings.clip_mode!r}, overflow={settings.overflow!r}",
+                "DeepSpeed sums the micro-batches' gradients inside its engine, where none can be clipped"
+                " or dropped alone. Use clip_mode='step' and overflow='skip' or 'ignore'.",
+            )
+        if settings.accumulation_dtype is not None:
+            dtype = str(settings.accumulation_dtype).removeprefix("torch.")
+            raise _refused(
+                f"accumulation_dtype={dtype!r}",
+                "DeepSpeed accumulates in its own buffers: set their type in the DeepSpeed config"
+                " (`data_types.grad_accum_dtype`).",
+            )
+        if settings.clip_value is not None or settings.clip_scope != "global" or settings.norm_type != 2.0:
+            raise _refused(
+                f"clip_value={settings.clip_value}, clip_scope={settings.clip_scope!r},"
+                f" norm_type={settings.norm_type}",
+                "DeepSpeed clips by the global 2-norm only (its `gradient_clipping`): use max_grad_norm.",
+            )
+        if settings.overflow == "raise":
+            raise _refused(
+                "overflow='raise'",
+                "DeepSpeed decides on overflows inside its step (its fp16 loss scaler skips them). Use"
+                " overflow='skip' (fp16) or 'ignore'.",
+            )
+        if plan.lr_scaling != "none" or plan.lr_schedule is not None:
+            raise _refused(
+                "lr_scaling or lr_schedule",
+                "the learning-rate factor is applied around torch's optimizer step, which DeepSpeed's ZeRO"
+                " optimizer wraps. Use an LR scheduler in `configure_optimizers`.",
+            )
+        if sharded_reduction != "every_micro_batch":
+            raise _refused(
+                f"sharded_reduction={sharded_reduction!r}",
+                "it is FSDP's; DeepSpeed reduces once per window at its boundary already.",
+            )
+        config: dict[str, Any] = trainer.strategy.config  # type: ignore[attr-defined]
+        if settings.max_grad_norm is not None:
+            clip = float(settings.max_grad_norm)
+            given = config.get("gradient_clipping")
+            if trainer.gradient_clip_val or (given not in (None, 0, 0.0, clip)):
+                raise RuntimeError(
+                    f"`GradientAccumulationCallback(max_grad_norm={clip})` is DeepSpeed's"
+                    f" `gradient_clipping`, but `gradient_clip_val={trainer.gradient_clip_val}` or the"
+                    f" config's `gradient_clipping={given}` sets another: set one of them."
+                )
+            config["gradient_clipping"] = clip
+        if settings.overflow == "skip" and not str(trainer.precision).startswith("16"):
+            warn(
+                "`overflow='skip'` takes effect under DeepSpeed only with fp16 (its loss scaler skips a step"
+                " whose gradients overflow): in this precision DeepSpeed steps whatever the gradients hold."
+                " Pass `overflow='ignore'` to say so."
+            )
+
+    def reduction(self, trainer: pl.Trainer, *, reduction: str, per_micro_batch: bool) -> WindowReduction:
+        """The engine reduces at its boundary: nothing for the callback to switch."""
+        return WindowReduction()
+
+    def engine_window(self, trainer: pl.Trainer, settings: AccumulationSettings) -> EngineWindow:
+        """The engine's driver; an epoch of unknown length is refused (its last window's end is needed)."""
+        if not math.isfinite(trainer.num_training_batches):
+            raise RuntimeError(
+                "`GradientAccumulationCallback` under `DeepSpeedStrategy` needs a train dataloader with a"
+                " length: DeepSpeed must be told before a window's first backward how many micro-batches it"
+                " holds, and an epoch of unknown length could end inside it."
+            )
+        engine = trainer.model
+        return EngineWindow(
+            _DeepSpeedEngine(engine),
+            settings=settings,
+            world_size=trainer.world_size,
+            device=trainer.strategy.root_device,
+            num_parameters=sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad),
+        )
+
+
+# DeepSpeed's strategy is a DDP strategy: its layout is asked first
+LAYOUTS: tuple[Layout, ...] = (DeepSpeed(), Layout(), DataParallel(), FullyShardedV1(), ModelParallel())
 
 
 def layout_of(api: LightningNamespace, trainer: pl.Trainer) -> Layout:
     """The layout of the Trainer's strategy, its own refusals checked.
 
     Raises:
-        RuntimeError: A strategy that accumulates itself (DeepSpeed), one no layout accepts, or a
-            configuration its layout refuses.
+        RuntimeError: A strategy no layout accepts (or one accumulating itself whose engine no layout
+            drives), or a configuration its layout refuses.
     """
     strategy = trainer.strategy
-    if strategy.handles_gradient_accumulation or "deepspeed" in type(strategy).__name__.lower():
-        raise RuntimeError(
-            f"`{type(strategy).__name__}` performs gradient accumulation itself (its config's"
-            " `gradient_accumulation_steps`). Remove `GradientAccumulationCallback` and configure"
-            " accumulation there."
-        )
     for layout in LAYOUTS:
         if layout.accepts(api, strategy):
+            if strategy.handles_gradient_accumulation and not layout.engine_accumulates:
+                raise RuntimeError(
+                    f"`{type(strategy).__name__}` performs gradient accumulation itself, and the callback"
+                    " knows no engine of it to drive. Remove `GradientAccumulationCallback` and configure"
+                    " accumulation there."
+                )
             layout.refuse(trainer)
             return layout
     *others, last = [layout.name for layout in LAYOUTS]
@@ -124,6 +303,7 @@ def layout_of(api: LightningNamespace, trainer: pl.Trainer) -> Layout:
     raise RuntimeError(
         f"`GradientAccumulationCallback` supports {names} strategies, but the Trainer uses"
         f" `{type(strategy).__name__}`, whose gradients it cannot normalize and clip yet. Use"
-        " `strategy='ddp'` or `strategy='fsdp'`, or `ModelParallelStrategy(data_parallel_size=N,"
+        " `strategy='ddp'`, `strategy='fsdp'` or `strategy='deepspeed_stage_2'`, or"
+        " `ModelParallelStrategy(data_parallel_size=N,"
         " tensor_parallel_size=1)` with `fully_shard` in `configure_model`, or remove the callback."
     )

@@ -41,6 +41,7 @@ class LightningNamespace:
     single_device_strategy: type
     fsdp_strategy: type
     model_parallel_strategy: type
+    deepspeed_strategy: type
     rank_zero_warn: Callable[..., Any]
     extract_batch_size: Callable[[Any], int]
     is_overridden: Callable[..., bool]
@@ -77,6 +78,7 @@ def namespace(package: str) -> LightningNamespace:
         single_device_strategy=load("strategies", "SingleDeviceStrategy"),
         fsdp_strategy=load("strategies", "FSDPStrategy"),
         model_parallel_strategy=load("strategies", "ModelParallelStrategy"),
+        deepspeed_strategy=load("strategies", "DeepSpeedStrategy"),
         rank_zero_warn=load("utilities", "rank_zero_warn"),
         extract_batch_size=load("utilities.data", "extract_batch_size"),
         is_overridden=load("utilities.model_helpers", "is_overridden"),

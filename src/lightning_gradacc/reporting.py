@@ -8,6 +8,7 @@ from dataclasses import fields
 from typing import Any
 
 from .core import AccumulationStats, GradAccumulator
+from .engine_window import EngineWindow
 
 # Statistics logged under "grad_accum/" with their own names: as each field of AccumulationStats declares.
 _LOGGED = [f for f in fields(AccumulationStats) if f.metadata["logged"]]
@@ -16,10 +17,11 @@ LOGGED_STATISTICS = (*(f.name for f in _LOGGED if not f.metadata["noise"]), "ste
 
 
 def step_metrics(
-    accumulator: GradAccumulator | None,
+    accumulator: GradAccumulator | EngineWindow | None,
     *,
     noise_scale: bool,
     plan: dict[str, float] | None = None,
+    absent: frozenset[str] = frozenset(),
 ) -> dict[str, float]:
     """The logged scalars: ``LOGGED_STATISTICS`` (and ``NOISE_STATISTICS``), ``window_loss`` and the plan's.
 
@@ -27,6 +29,7 @@ def step_metrics(
         accumulator: The accumulator of the fit (``None``: nothing to log yet).
         noise_scale: Whether the noise scale is estimated.
         plan: The window plan's scalars by name (``lr_factor``; ``"auto"``'s target and its estimate).
+        absent: Statistics the accumulator cannot show (``EngineWindow.absent``): not logged.
 
     Example:
         >>> import torch
@@ -38,8 +41,9 @@ def step_metrics(
         return {}
     stats = accumulator.stats.as_dict()
     names = LOGGED_STATISTICS + (NOISE_STATISTICS if noise_scale else ())
-    logged = {f"grad_accum/{name}": float(stats[name]) for name in names}
-    logged["grad_accum/window_loss"] = accumulator.window_loss
+    logged = {f"grad_accum/{name}": float(stats[name]) for name in names if name not in absent}
+    if "window_loss" not in absent:
+        logged["grad_accum/window_loss"] = accumulator.window_loss
     logged.update({f"grad_accum/{name}": value for name, value in (plan or {}).items()})
     return logged
 

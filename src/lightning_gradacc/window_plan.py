@@ -22,6 +22,13 @@ loss, which the core's loss scale undoes at the boundary, is then exact), else t
 window that the epoch's end cuts short still ends there: Lightning steps at the epoch's last batch in any
 case. The window's first batch is zeroed by the callback where Lightning does not.
 
+**A strategy that accumulates itself** (DeepSpeed: ``handles_gradient_accumulation``) is stepped by Lightning
+at an epoch's last batch only where ``ready % K == 0``. There every window is driven (``closes_epoch_tail``),
+a fixed K included: a window the epoch's end cuts short gets a K that divides its real end, so that Lightning
+counts its step (and steps its LR schedulers) where the engine takes it. A window's own length is what the
+accumulator is told as its K (the engine's boundary and its normalization need it before the window's first
+backward).
+
 **The learning rate follows K** (``lr_scaling``): every step's learning rates are multiplied by
 ``(K of its window / K of the first window) ** p`` just before ``optimizer.step`` and restored just after it
 (torch's step pre- and post-hooks), so LR schedulers, which set or read ``param_groups[i]["lr"]`` between
@@ -30,6 +37,7 @@ steps, never see the factor.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -39,6 +47,7 @@ import torch
 
 from . import lightning_internals as internals
 from .core.settings import check_choice
+from .engine_window import EngineWindow
 from .k_policies import FixedK, KPolicy, WindowFacts, stepping_batches
 from .lr_schedule import TokenSchedule
 
@@ -145,9 +154,12 @@ class WindowPlan:
         self._restored = False  # a checkpoint's position was loaded, not yet attached to a fit
         self._warn: Warn | None = None  # the fit's (rank zero's) warning
         self._budget_checked = False  # the fit's item estimate was compared with `lr_schedule.total`
-        self._accumulator: GradAccumulator | None = None  # the fit's, once attached
+        self._accumulator: GradAccumulator | EngineWindow | None = None  # the fit's, once attached
         self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks (lr_scaling)
         self._saved_lrs: list[tuple[dict[str, Any], Any]] = []
+        # Lightning does not step at an epoch's end by itself (a strategy that accumulates): every window
+        # is driven and ends where its batches do (set by the callback for the fit's layout)
+        self.closes_epoch_tail = False
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # ddp_spawn pickles the callbacks: a fit's objects stay behind
@@ -191,6 +203,22 @@ class WindowPlan:
         ``None`` before training, or when the fit's policy does not count them.
         """
         return self.position.items if self.run is not None and self._counts_items else None
+
+    @property
+    def _drives_windows(self) -> bool:
+        """Whether a K is written window by window (else once per epoch)."""
+        return self._policy.per_window or self.closes_epoch_tail
+
+    def window_length(self, trainer: pl.Trainer, first_ready: int, k: int) -> int:
+        """Micro-batches of a window of K ``k`` opening at ``first_ready``: cut at the epoch's end if needed.
+
+        Only where the plan closes an epoch's tail itself (``closes_epoch_tail``) and the epoch's length is
+        known; else ``k``.
+        """
+        batches = trainer.num_training_batches
+        if not self.closes_epoch_tail or not math.isfinite(batches):
+            return k
+        return max(1, min(k, int(batches) - first_ready + 1))
 
     @property
     def _counts_items(self) -> bool:
@@ -271,8 +299,11 @@ class WindowPlan:
 
     # -------------------------------------------------------------------------------------- writing
 
-    def _write(self, trainer: pl.Trainer, window_k: int, lightning_k: int) -> None:
-        """The one place K is written: into Lightning, the core's K and its loss scale (1 / Lightning's K)."""
+    def _write(self, trainer: pl.Trainer, window_k: int, lightning_k: int, length: int | None = None) -> None:
+        """The one place K is written: into Lightning, the core's K and its loss scale (1 / Lightning's K).
+
+        ``length``: the window's own micro-batches where the epoch's end cuts it (``closes_epoch_tail``).
+        """
         self.position.window_k, self.position.lightning_k = window_k, lightning_k
         trainer.accumulate_grad_batches = lightning_k
         self._written = lightning_k
@@ -280,6 +311,8 @@ class WindowPlan:
         accumulator = self._accumulator
         if accumulator is not None:
             accumulator.accumulation_steps = window_k
+            if isinstance(accumulator, EngineWindow):  # told before the window's first backward
+                accumulator.window_length = window_k if length is None else length
             accumulator.loss_scale = 1.0 / lightning_k  # what Lightning divides every loss by
 
     def _k_now(self, trainer: pl.Trainer) -> int | None:
@@ -321,7 +354,7 @@ class WindowPlan:
         if k is not None:
             self._write(trainer, k, k)
 
-    def attach(self, trainer: pl.Trainer, accumulator: GradAccumulator, warn: Warn) -> None:
+    def attach(self, trainer: pl.Trainer, accumulator: GradAccumulator | EngineWindow, warn: Warn) -> None:
         """Training starts (``on_train_start``): K written into the fit's new accumulator, LR hooks placed.
 
         A window restored from a checkpoint goes on with its own K and Lightning's K (a policy keyed by steps
@@ -333,22 +366,26 @@ class WindowPlan:
             self._resolve_target_again(trainer, warn)
         self._accumulator = accumulator
         position, restored, self._restored = self.position, self._restored, False
-        if position.batches_in_window and self._policy.per_window:
-            self._write(trainer, position.window_k, position.lightning_k)
+        if position.batches_in_window and self._drives_windows:
+            first = internals.batches_ready(trainer) - position.batches_in_window + 1
+            # the restored window ends at the first multiple of Lightning's K from its first batch
+            end = -(-first // position.lightning_k) * position.lightning_k
+            length = end - first + 1 if self.closes_epoch_tail else None
+            self._write(trainer, position.window_k, position.lightning_k, length)
         else:
             k = self._k_now(trainer)
             assert k is not None
             # Restored between windows, Lightning's restarted epoch loop asks whether the saved batch stepped
             # (`ready % K == 0`) to advance its logging step: it must see the K it ran that window with (the
             # next window opening writes its own)
-            self._write(trainer, k, position.lightning_k if restored and self._policy.per_window else k)
+            self._write(trainer, k, position.lightning_k if restored and self._drives_windows else k)
         self._hook_optimizers(trainer.optimizers)
 
     def epoch_start(self, trainer: pl.Trainer) -> None:
         """An epoch starts: a window still open there is abandoned; a K per epoch is written."""
         self.position.batches_in_window = 0
         self._policy.epoch_started()
-        if not self._policy.per_window:
+        if not self._drives_windows:
             k = self._k_now(trainer)
             assert k is not None
             self._write(trainer, k, k)
@@ -363,7 +400,7 @@ class WindowPlan:
         position, policy = self.position, self._policy
         opens = position.batches_in_window == 0
         self._closed_unstepped = self._closed_unstepped and not opens  # a window skipped took no step
-        if opens and policy.per_window:
+        if opens and self._drives_windows:
             self.open_window(internals.batches_ready(trainer), trainer)
         position.batches_in_window += 1
         riders = policy.batch_started()  # e.g. the batch times of "auto"'s goodput rule
@@ -376,14 +413,15 @@ class WindowPlan:
         epoch = trainer.current_epoch if trainer is not None else 0
         k = self._policy.k_at(epoch, self.position.steps, self.position.items)
         assert k is not None
-        lightning_k = window_lightning_k(ready, k) if self._policy.per_window else k
+        length = self.window_length(trainer, ready, k) if trainer is not None else k
+        lightning_k = window_lightning_k(ready, length) if self._drives_windows else k
         if trainer is not None:
-            self._write(trainer, k, lightning_k)
+            self._write(trainer, k, lightning_k, length if self.closes_epoch_tail else None)
         else:
             self.position.window_k, self.position.lightning_k = k, lightning_k
         return k
 
-    def window_closed(self, accumulator: GradAccumulator) -> None:
+    def window_closed(self, accumulator: GradAccumulator | EngineWindow) -> None:
         """The open window was finalized (stepped or skipped) by ``accumulator``.
 
         Its items over all ranks are read (a host read) only where the policy counts them; an adaptive
@@ -425,7 +463,7 @@ class WindowPlan:
         """
         self.window_abandoned()
         self.interrupted()
-        if self._policy.per_window and self._user_k is not None:
+        if self._drives_windows and self._user_k is not None:
             trainer.accumulate_grad_batches = self._user_k
             self._written = self._user_k
 

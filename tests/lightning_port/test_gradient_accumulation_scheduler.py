@@ -133,15 +133,23 @@ def test_invalid_values_for_grad_accum_scheduler(scheduling):
 
 
 # Original: test_unsupported_strategies
+# Lightning's scheduler refuses DeepSpeed (it accumulates itself); the callback drives DeepSpeed's engine
+# instead (tests/distributed/test_deepspeed.py), so the port checks what it does at `setup`: a fixed or a
+# scheduled K is accepted, and `max_grad_norm` becomes DeepSpeed's `gradient_clipping`.
 @pytest.mark.parametrize("strategy_class", [DeepSpeedStrategy])
 def test_unsupported_strategies(strategy_class):
-    """Strategies that accumulate themselves (DeepSpeed) are refused, with a fixed or a scheduled K."""
     for steps in ({1: 2}, 2):
-        callback = GradientAccumulationCallback(steps)
+        callback = GradientAccumulationCallback(steps, max_grad_norm=0.5, overflow="ignore")
         model = BoringModel()
         trainer = Trainer(**QUIET)
-        trainer._accelerator_connector.strategy = Mock(spec=strategy_class)
-        with pytest.raises(RuntimeError, match="performs gradient accumulation itself"):
+        strategy = Mock(spec=strategy_class)
+        strategy.config = {"zero_optimization": {"stage": 2}}
+        strategy.handles_gradient_accumulation = True
+        trainer._accelerator_connector.strategy = strategy
+        callback.setup(trainer, model, "fit")
+        assert strategy.config["gradient_clipping"] == 0.5
+        strategy.config["zero_optimization"]["stage"] = 3
+        with pytest.raises(RuntimeError, match="stage 3 is configured"):
             callback.setup(trainer, model, "fit")
 
 
