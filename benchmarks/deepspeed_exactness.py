@@ -1,0 +1,50 @@
+"""DeepSpeed's accumulation against one big batch: Lightning's built-in and the callback, in the same run.
+
+    python -m benchmarks.deepspeed_exactness
+
+Real ``Trainer.fit`` runs with Lightning's ``DeepSpeedStrategy`` on one CPU process (DeepSpeed's CPU
+accelerator, gloo; Lightning's CUDA guard lifted by the test shims of ``tests/deepspeed_run.py``): a
+5-batch epoch, 2 epochs, SGD. The reference is plain PyTorch taking one step per window over the window's
+rows as one batch, each epoch's short last window closed in its epoch. Printed: max |parameter - reference|,
+and the optimizer steps Lightning counted (``trainer.global_step``) against those DeepSpeed took.
+Needs DeepSpeed (``pip install -e ".[deepspeed]"`` with ``DS_BUILD_OPS=0``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from tests import helpers as h
+from tests.deepspeed_run import Scenario, run
+
+
+def main() -> None:
+    cases = [(stage, k, None) for stage in (0, 2) for k in (2, 3)] + [(2, 2, "bf16-mixed")]
+    scenarios = []
+    for stage, k, precision in cases:
+        trainer = {"precision": precision} if precision else {}
+        scenarios += [
+            Scenario(callback=None, trainer_k=k, stage=stage, trainer=trainer),
+            Scenario(callback={"accumulation_steps": k}, stage=stage, trainer=trainer),
+        ]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run(scenarios, Path(tmp))
+    print(
+        "| ZeRO stage, K, precision | windows | built-in: difference, steps (Lightning / DeepSpeed) "
+        "| callback: difference, steps |"
+    )
+    print("|---|---|---|---|")
+    for index, (stage, k, precision) in enumerate(cases):
+        windows = h.windows(5, k, epochs=2)
+        reference = h.big_batch_reference(h.regression_net(), h.regression_data(20), 4, windows, h.mse)
+        row = []
+        for result in results[2 * index : 2 * index + 2]:
+            state = result["state"]
+            diff = max((state[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+            row.append(f"{diff:.1e}, {result['global_step']} / {result['engine_steps']}")
+        print(f"| {stage}, {k}, {precision or '32-true'} | {len(windows)} | {row[0]} | {row[1]} |")
+
+
+if __name__ == "__main__":
+    main()
