@@ -189,6 +189,7 @@ class GradientAccumulationLogic(_LogicBase):
 
         self._stage: str | None = None  # the stage of the last `setup`
         self._accumulator: GradAccumulator | EngineWindow | None = None
+        self._engine: EngineWindow | None = None  # the accumulator, where the strategy's engine accumulates
         self._saved = SavedState()  # a checkpoint's state, until the next accumulator takes it
         self._scaler: torch.amp.GradScaler | None = None  # the fit's, set in `setup`
         self._groups = ParameterGroups()  # the optimizers' parameter groups the accumulator tracks
@@ -355,6 +356,7 @@ class GradientAccumulationLogic(_LogicBase):
                 " exactly."
             )
         self._accumulator = accumulator
+        self._engine = accumulator if isinstance(accumulator, EngineWindow) else None
         # FSDP reducing at the window's end, or the core flushing its buffers for DDP or a GradScaler
         self._asks_last = self._sync.defers or accumulator.uses_last
         self._skips.seen = accumulator.stats.skipped_steps
@@ -391,8 +393,8 @@ class GradientAccumulationLogic(_LogicBase):
         if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
             self._groups.follow(trainer, pl_module, accumulator)  # window measures the new set from its start
         self.plan.batch_start(trainer)  # a window opening here gets its K
-        if isinstance(accumulator, EngineWindow):
-            accumulator.batch_start()  # the engine learns, before the forward, whether the window ends
+        if self._engine is not None:
+            self._engine.batch_start()  # the engine learns, before the forward, whether the window ends
         lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
         if not internals.backward_skipped(trainer):
             if not accumulator.window.empty and lightning_zeroes:
@@ -442,10 +444,11 @@ class GradientAccumulationLogic(_LogicBase):
     ) -> None:
         accumulator, current, scaler = self._accumulator, self._batch, self._scaler
         assert accumulator is not None
-        if isinstance(accumulator, EngineWindow):  # called every micro-batch: the engine steps at its end
+        engine = self._engine
+        if engine is not None:  # called every micro-batch: the engine steps at its end
             if not internals.should_accumulate(trainer) and not current.finalized:
-                accumulator.end_window()
-                self.plan.window_closed(accumulator)
+                engine.end_window()
+                self.plan.window_closed(engine)
                 current.finalized = True
             return
         self._groups.follow(trainer, pl_module, accumulator)
@@ -500,10 +503,10 @@ class GradientAccumulationLogic(_LogicBase):
         if not self._batch.finalized:
             return
         self._resume_clipping()
-        accumulator = self._accumulator
-        if isinstance(accumulator, EngineWindow):  # its norm and fp16 overflows, known after its step
-            accumulator.after_step()
-            self._skips.update(accumulator.stats.skipped_steps, trainer.global_step, self._api.rank_zero_warn)
+        engine = self._engine
+        if engine is not None:  # its norm and fp16 overflows, known after its step
+            engine.after_step()
+            self._skips.update(engine.stats.skipped_steps, trainer.global_step, self._api.rank_zero_warn)
         if self.log_stats and internals.logs_this_step(trainer):
             # to the loggers and `callback_metrics` (`ddp_spawn` returns these, `ModelCheckpoint` reads them)
             logged = self.metrics()
@@ -516,12 +519,12 @@ class GradientAccumulationLogic(_LogicBase):
 
     def metrics(self) -> dict[str, float]:
         """The scalars logged under ``grad_accum/`` (:func:`~lightning_gradacc.reporting.step_metrics`)."""
-        accumulator = self._accumulator
+        engine = self._engine
         return step_metrics(
-            accumulator,
+            self._accumulator,
             noise_scale=self.settings.noise_scale,
             plan=self.plan.metrics(),
-            absent=accumulator.absent if isinstance(accumulator, EngineWindow) else frozenset(),
+            absent=engine.absent if engine is not None else frozenset(),
         )
 
     def _resume_clipping(self) -> None:

@@ -311,7 +311,7 @@ class WindowPlan:
         accumulator = self._accumulator
         if accumulator is not None:
             accumulator.accumulation_steps = window_k
-            if isinstance(accumulator, EngineWindow):  # told before the window's first backward
+            if self.closes_epoch_tail and isinstance(accumulator, EngineWindow):  # before its first backward
                 accumulator.window_length = window_k if length is None else length
             accumulator.loss_scale = 1.0 / lightning_k  # what Lightning divides every loss by
 
@@ -400,7 +400,7 @@ class WindowPlan:
         position, policy = self.position, self._policy
         opens = position.batches_in_window == 0
         self._closed_unstepped = self._closed_unstepped and not opens  # a window skipped took no step
-        if opens and self._drives_windows:
+        if opens and (policy.per_window or self.closes_epoch_tail):  # `_drives_windows`, without a call
             self.open_window(internals.batches_ready(trainer), trainer)
         position.batches_in_window += 1
         riders = policy.batch_started()  # e.g. the batch times of "auto"'s goodput rule
