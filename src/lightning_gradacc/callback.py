@@ -246,7 +246,11 @@ class GradientAccumulationLogic(_LogicBase):
 
     @property
     def accumulator(self) -> GradAccumulator | EngineWindow | None:
-        """The core accumulator of the current run (``None`` before training starts)."""
+        """The accumulator of the current run (``None`` before training starts).
+
+        The core's, or under DeepSpeed the engine's driver
+        (:class:`~lightning_gradacc.engine_window.EngineWindow`).
+        """
         return self._accumulator
 
     def estimated_stepping_batches(self, trainer: pl.Trainer, *, most: bool = False) -> int | float:
@@ -346,9 +350,10 @@ class GradientAccumulationLogic(_LogicBase):
         except BaseException:
             accumulator.remove_hooks()  # it will never be used: its noise-scale hooks must not stay
             raise
+        self._engine = accumulator if isinstance(accumulator, EngineWindow) else None
         restored_inside = self.plan.position.batches_in_window
-        if isinstance(accumulator, EngineWindow) and restored_inside:
-            accumulator.lost(restored_inside)
+        if self._engine is not None and restored_inside:
+            self._engine.lost(restored_inside)
             self._api.rank_zero_warn(
                 f"Resumed inside a window under DeepSpeed: the gradients of its first {restored_inside}"
                 " micro-batch(es) are in no DeepSpeed checkpoint, so this window steps on its remaining"
@@ -356,7 +361,6 @@ class GradientAccumulationLogic(_LogicBase):
                 " exactly."
             )
         self._accumulator = accumulator
-        self._engine = accumulator if isinstance(accumulator, EngineWindow) else None
         # FSDP reducing at the window's end, or the core flushing its buffers for DDP or a GradScaler
         self._asks_last = self._sync.defers or accumulator.uses_last
         self._skips.seen = accumulator.stats.skipped_steps
@@ -590,11 +594,11 @@ class GradientAccumulationLogic(_LogicBase):
         """
         warn = self._api.rank_zero_warn
         batch = self._batch
-        accumulator = self._accumulator
-        if isinstance(accumulator, EngineWindow) and not accumulator.window.empty:
+        engine = self._engine
+        if engine is not None and not engine.window.empty:
             warn(
                 "This checkpoint is taken inside a window of"
-                f" {accumulator.window.micro_batches} micro-batch(es) under DeepSpeed, whose checkpoint holds"
+                f" {engine.window.micro_batches} micro-batch(es) under DeepSpeed, whose checkpoint holds"
                 " no accumulated gradients: a resume from it steps that window on its remaining"
                 " micro-batches alone. Save at a window's end"
                 " (`ModelCheckpoint(every_n_train_steps=...)`) to resume exactly."

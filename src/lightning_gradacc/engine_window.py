@@ -194,7 +194,10 @@ class EngineWindow:
             self._counts["total_micro_batches"] += 1
 
     def end_window(self, optimizer: Any = None, **ignored: Any) -> bool:
-        """Close the window before the engine's step: count it (its items summed over the ranks)."""
+        """Close the window before the engine's step: count it (its items summed over the ranks).
+
+        Takes the core's arguments (the callback's hooks hold either accumulator) and needs none of them.
+        """
         window, counts = self.window, self._counts
         items = window.items if self._items_known else math.nan
         if self.world_size > 1 and torch.distributed.is_initialized():

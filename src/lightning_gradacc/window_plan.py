@@ -25,9 +25,9 @@ case. The window's first batch is zeroed by the callback where Lightning does no
 **A strategy that accumulates itself** (DeepSpeed: ``handles_gradient_accumulation``) is stepped by Lightning
 at an epoch's last batch only where ``ready % K == 0``. There every window is driven (``closes_epoch_tail``),
 a fixed K included: a window the epoch's end cuts short gets a K that divides its real end, so that Lightning
-counts its step (and steps its LR schedulers) where the engine takes it. A window's own length is what the
-accumulator is told as its K (the engine's boundary and its normalization need it before the window's first
-backward).
+counts its step (and steps its LR schedulers) where the engine takes it. The engine's driver is told the
+window's own length beside its K (``EngineWindow.window_length``: its boundary and its normalization need
+it before the window's first backward).
 
 **The learning rate follows K** (``lr_scaling``): every step's learning rates are multiplied by
 ``(K of its window / K of the first window) ** p`` just before ``optimizer.step`` and restored just after it
@@ -367,10 +367,12 @@ class WindowPlan:
         self._accumulator = accumulator
         position, restored, self._restored = self.position, self._restored, False
         if position.batches_in_window and self._drives_windows:
-            first = internals.batches_ready(trainer) - position.batches_in_window + 1
-            # the restored window ends at the first multiple of Lightning's K from its first batch
-            end = -(-first // position.lightning_k) * position.lightning_k
-            length = end - first + 1 if self.closes_epoch_tail else None
+            length = None
+            if (
+                self.closes_epoch_tail
+            ):  # the restored window ends at Lightning's K's first multiple from its start
+                first = internals.batches_ready(trainer) - position.batches_in_window + 1
+                length = -(-first // position.lightning_k) * position.lightning_k - first + 1
             self._write(trainer, position.window_k, position.lightning_k, length)
         else:
             k = self._k_now(trainer)
