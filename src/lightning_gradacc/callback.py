@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from . import compatibility as compat
 from . import lightning_internals as internals
+from .batch_pieces import SplitFn, batch_length, check_split_fn
 from .core import AccumulationStats, GradAccumulator
 from .core.settings import SETTINGS, AccumulationSettings, with_setting_docs
 from .core.torch_internals import disarm
@@ -39,6 +40,7 @@ from .k_policies import AutoSettings, make_policy
 from .layouts import Layout, layout_of
 from .lr_schedule import TokenSchedule, make_schedule
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
+from .piece_runner import PieceRunner, check_piece_size
 from .reduction import WindowReduction, check_reduction
 from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from here too
 from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
@@ -128,6 +130,17 @@ class GradientAccumulationLogic(_LogicBase):
             decay over an item budget (:class:`~lightning_gradacc.lr_schedule.TokenSchedule`, or its fields as
             a mapping), a factor on every step's learning rates at the items of the windows before it, over
             all ranks: the same learning rate per token whatever K runs; logged in ``lr_factor``.
+        piece_size: Run each loader batch as pieces of at most this many items, each with its own
+            backward and its loss weighted by its share of the batch's items (tokens with
+            ``item_count_fn``): the same gradient in less memory, every counter and K unchanged. ``"auto"``
+            runs whole batches and halves the piece size on each out-of-memory error, redoing what it must
+            (:mod:`~lightning_gradacc.piece_runner`); ``None``: batches run whole. One device or DDP.
+        split_fn: ``(batch, size) -> list of pieces`` for a batch the default splitter (tensors, mappings,
+            lists, tuples, cut on their first dimension) cannot cut.
+        oom_snapshot: With ``piece_size="auto"``: copy the gradients before each batch (one gradient of
+            memory), so that an out-of-memory error in any backward can redo the batch; without it a
+            backward's error is redone where ``.grad`` holds that batch alone (it opens its window, or the
+            window is in fp32 buffers), else raised.
         Math settings: (each field of ``AccumulationSettings``, documented there once, listed here)
 
     Attributes:
@@ -174,6 +187,9 @@ class GradientAccumulationLogic(_LogicBase):
         lr_scaling: Literal["none", "sqrt", "linear"] = "none",
         auto: AutoSettings | dict[str, Any] | None = None,
         lr_schedule: TokenSchedule | dict[str, Any] | None = None,
+        piece_size: int | Literal["auto"] | None = None,
+        split_fn: SplitFn | None = None,
+        oom_snapshot: bool = False,
     ) -> None:
         policy = make_policy(accumulation_steps, target_batch_size, schedule_unit, auto)
         self.plan = WindowPlan(policy, lr_scaling, make_schedule(lr_schedule))
@@ -186,6 +202,22 @@ class GradientAccumulationLogic(_LogicBase):
         if not isinstance(log_stats, bool):
             raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
         self.log_stats = log_stats
+        self.piece_size = check_piece_size(piece_size)
+        self.split_fn = check_split_fn(split_fn)
+        if not isinstance(oom_snapshot, bool):
+            raise TypeError(f"Expected argument `oom_snapshot` to be a bool, but got {oom_snapshot!r}.")
+        if self.piece_size is None and split_fn is not None:
+            raise ValueError("`split_fn` has no effect without `piece_size`: set `piece_size` or remove it.")
+        if oom_snapshot and self.piece_size != "auto":
+            raise ValueError(
+                f"`oom_snapshot=True` has an effect only with `piece_size='auto'`, but got"
+                f" `piece_size={self.piece_size!r}`."
+            )
+        self._pieces = (
+            None
+            if self.piece_size is None
+            else PieceRunner(self.piece_size, split_fn=self.split_fn, snapshot=oom_snapshot)
+        )
 
         self._stage: str | None = None  # the stage of the last `setup`
         self._accumulator: GradAccumulator | EngineWindow | None = None
@@ -311,6 +343,14 @@ class GradientAccumulationLogic(_LogicBase):
             raise RuntimeError(str(error)) from None
         self._verify("reduction", trainer, pl_module)
         self._build_accumulator(trainer, pl_module)
+        if self._pieces is not None:
+            custom = self.split_fn is not None
+            self._pieces.install(
+                trainer,
+                self._accumulator,
+                count=self.item_count_fn,
+                length=self._api.extract_batch_size if custom else batch_length,
+            )
         self._monitored = monitors_statistics(trainer.callbacks)  # type: ignore[attr-defined]
         self._verify("train_start", trainer, pl_module)
         if self._sync.core_reduces:
@@ -413,6 +453,8 @@ class GradientAccumulationLogic(_LogicBase):
         counted = count_micro_batch(batch, batch_idx, self.item_count_fn, weighted, extract, check_labels)
         current.items, current.label, current.error = counted.items, counted.label, counted.error
         self._labels_checked = self._labels_checked or weighted
+        if self._pieces is not None:
+            self._pieces.begin_batch(batch, counted.items)
         if counted.warning is not None and not self._warned_of_counts:
             self._warned_of_counts = True
             self._api.rank_zero_warn(counted.warning)
@@ -425,8 +467,15 @@ class GradientAccumulationLogic(_LogicBase):
         last = self._asks_last and not internals.should_accumulate(trainer)
         # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed,
         # weighed here in place (the core divides K and the AMP scale out once per window)
+        pieces = self._pieces
         accumulator.begin_micro_batch(
-            loss, current.items, last=last, label=current.label, error=current.error, in_place=True
+            loss,
+            current.items,
+            last=last,
+            label=current.label,
+            error=current.error,
+            in_place=True,
+            share=1.0 if pieces is not None and pieces.in_pieces else None,  # the runner weighs the pieces
         )
         self._sync.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
 
@@ -504,6 +553,8 @@ class GradientAccumulationLogic(_LogicBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._batch.recorded, self._batch.ended = False, True
+        if self._pieces is not None:
+            self._pieces.end_batch(outputs)
         if not self._batch.finalized:
             return
         self._resume_clipping()
@@ -523,11 +574,12 @@ class GradientAccumulationLogic(_LogicBase):
 
     def metrics(self) -> dict[str, float]:
         """The scalars logged under ``grad_accum/`` (:func:`~lightning_gradacc.reporting.step_metrics`)."""
-        engine = self._engine
+        engine, pieces = self._engine, self._pieces
+        plan = self.plan.metrics()
         return step_metrics(
             self._accumulator,
             noise_scale=self.settings.noise_scale,
-            plan=self.plan.metrics(),
+            plan=plan if pieces is None else {**plan, **pieces.metrics()},
             absent=engine.absent if engine is not None else frozenset(),
         )
 
@@ -541,6 +593,8 @@ class GradientAccumulationLogic(_LogicBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self._resume_clipping()
+        if self._pieces is not None:
+            self._pieces.uninstall()
         self.plan.interrupted()  # its position stays for a checkpoint saved after this hook
         for optimizer in trainer.optimizers:  # a device step armed for a step that never came
             disarm(optimizer)
@@ -553,6 +607,8 @@ class GradientAccumulationLogic(_LogicBase):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log_dir = trainer.logger.log_dir if trainer.logger is not None else None
+        if self._pieces is not None:
+            self._pieces.uninstall()
         self._sync.end(discard=self._accumulator is not None and not self._accumulator.window.empty)
         if self._accumulator is not None and not self._accumulator.window.empty:
             self._api.rank_zero_warn(
@@ -607,6 +663,8 @@ class GradientAccumulationLogic(_LogicBase):
             self._accumulator, mid_batch=batch.recorded, in_batch=not batch.ended, warn=warn
         )
         entry["plan"] = self.plan.state_dict()  # where training stands, inside a window too
+        if self._pieces is not None:  # the size that fits: a resume does not run out of memory again
+            entry["pieces"] = self._pieces.counters.state_dict()
         return entry
 
     @override
@@ -614,6 +672,8 @@ class GradientAccumulationLogic(_LogicBase):
         if self._stage not in (None, "fit"):  # validate/test/predict(ckpt_path=...) never train: keep nothing
             return
         self._saved.load(state_dict)
+        if self._pieces is not None and state_dict.get("pieces") is not None:
+            self._pieces.counters.load_state_dict(state_dict["pieces"])
         position = state_dict.get("plan", state_dict.get("schedule"))  # "schedule": keyed schedules, 0.2
         if position is not None:  # Lightning restores callbacks after `setup`
             self.plan.load_state_dict(position)

@@ -171,8 +171,14 @@ class EngineWindow:
         label: str | None = None,
         error: str | None = None,
         in_place: bool = False,
+        share: float | None = None,
     ) -> Tensor:
-        """Weigh ``loss`` (in place or not) so that the engine's sum is the window's big-batch gradient."""
+        """Weigh ``loss`` (in place or not) so that the engine's sum is the window's big-batch gradient.
+
+        ``share`` (pieces of a batch) is never given: ``piece_size`` is refused under an engine at setup.
+        """
+        if share is not None:
+            raise RuntimeError("An engine's window cannot run a batch in pieces (`piece_size`).")
         factor = self.settings.mode.factor(
             max(self._length, 1),
             dropped=0.0,

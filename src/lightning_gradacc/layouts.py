@@ -40,12 +40,16 @@ class Layout:
             ``FSDPPrecision`` refuses it).
         engine_accumulates: The strategy's engine keeps the window's gradients: the callback drives it
             (:meth:`engine_window`) instead of the core accumulating ``.grad``.
+        runs_pieces: Whether a batch can run in pieces with their own backward (``piece_size``): each
+            piece's gradient then adds up in ``.grad``, as with one device or DDP (not where FSDP or an
+            engine holds the gradients: refused before training).
     """
 
     name = "single-device"
     strategy = "single_device_strategy"
     lightning_clips_by_norm = True
     engine_accumulates = False
+    runs_pieces = True
 
     def accepts(self, api: LightningNamespace, strategy: Any) -> bool:
         """Whether ``strategy`` (of the Trainer's namespace ``api``) is of this layout."""
@@ -91,6 +95,7 @@ class FullyShardedV1(Layout):
     """Lightning's ``FSDPStrategy`` (FSDP1): flat gradient slices, reduce-scattered by FSDP."""
 
     name = "FSDP"
+    runs_pieces = False
     strategy = "fsdp_strategy"
     lightning_clips_by_norm = False
 
@@ -109,6 +114,7 @@ class ModelParallel(Layout):
     """``ModelParallelStrategy`` with ``fully_shard`` (FSDP2, HSDP): ``DTensor`` shards, data-parallel."""
 
     name = "ModelParallel (FSDP2)"
+    runs_pieces = False
     strategy = "model_parallel_strategy"
 
     def refuse(self, trainer: pl.Trainer) -> None:
@@ -165,6 +171,7 @@ class DeepSpeed(Layout):
     """
 
     name = "DeepSpeed (ZeRO 0-2)"
+    runs_pieces = False
     strategy = "deepspeed_strategy"
     engine_accumulates = True
 

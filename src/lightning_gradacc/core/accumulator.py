@@ -45,6 +45,7 @@ class _MicroBatch:
     count: ItemCount
     loss: Tensor
     last: bool
+    share: float | Tensor | None = None  # run in pieces: the running piece's share of the items
 
 
 class GradAccumulator:
@@ -346,6 +347,7 @@ class GradAccumulator:
         error: str | None = None,
         in_place: bool = False,
         amp_scaled: bool = True,
+        share: float | Tensor | None = None,
     ) -> Tensor:
         """Start one micro-batch: weigh its loss and get the window ready for its backward.
 
@@ -364,6 +366,10 @@ class GradAccumulator:
             error: A problem the caller found with the item count already.
             in_place: Weigh ``loss`` itself (for a caller that back-propagates that very tensor).
             amp_scaled: ``False``: the ``grad_scaler`` scales ``loss`` in its backward (``fabric.backward``).
+            share: The micro-batch runs in pieces, each with its own backward, and ``loss`` is the first's
+                (its mean loss times ``share``, its part of the items); :meth:`next_piece` weighs the
+                others. The gradients then stay in ``.grad`` until :meth:`end_micro_batch` (so that
+                :meth:`restart_micro_batch` can drop them); the noise scale measures each piece alone.
 
         Returns:
             The weighted loss to back-propagate (``loss`` itself with ``in_place``).
@@ -381,10 +387,66 @@ class GradAccumulator:
             recorded = self._scale.scaler.scale(recorded)  # a multiply on the device: no sync
         to_backward = count.weigh_loss(loss, in_place=in_place) if weighted else loss  # else weight 1
         last = self._window.micro_batches + 1 >= self._accumulation_steps if last is None else last
-        self._pending = _MicroBatch(count, recorded, last)
+        self._pending = _MicroBatch(count, recorded, last, share)
         if last and self._flushes_before_last_backward:
             self.flush_to_grad()  # and the hooks stay off: DDP reads this backward's `.grad`
+        if share is not None:
+            self._arm_hooks(False)  # the pieces add up in `.grad`: `record` moves their sum
         return to_backward
+
+    def next_piece(self, loss: Tensor, share: float | Tensor) -> Tensor:
+        """Weigh the next piece's loss of a micro-batch in pieces (``share`` of :meth:`begin_micro_batch`).
+
+        Args:
+            loss: The piece's mean loss times ``share``, as back-propagated otherwise (times ``loss_scale``
+                and the AMP scale); weighed in place.
+            share: The piece's part of the micro-batch's items.
+
+        Returns:
+            ``loss``, weighed: back-propagate it.
+        """
+        pending = self._require_pieces("next_piece")
+        if self._noise.watching:  # the previous piece's norms, measured alone
+            self._noise.end_piece(*self._piece_measure(pending))
+        pending.loss = pending.loss + loss.detach()
+        pending.share = share
+        return pending.count.weigh_loss(loss, in_place=True) if self._weighting.weighted else loss
+
+    def restart_micro_batch(self) -> None:
+        """Forget the pieces of the pending micro-batch run so far (its gradients are the caller's to drop).
+
+        After an out-of-memory error inside one of its pieces, before the micro-batch runs again: its loss
+        and noise-scale norms start over; its item count and weight stay.
+        """
+        pending = self._require_pieces("restart_micro_batch")
+        pending.loss = torch.zeros_like(pending.loss)
+        self._noise.begin_backward()
+
+    @property
+    def pending_alone_in_grad(self) -> bool:
+        """Whether ``.grad`` holds the pending micro-batch's gradient alone: dropping it loses nothing else.
+
+        True when it opens the window, or when the window's earlier micro-batches are in the buffers (not
+        yet written into ``.grad``): a micro-batch run in pieces can then start over after an error.
+        """
+        window = self._window
+        return window.micro_batches == 0 or window.new_gradients_to_buffers
+
+    def _require_pieces(self, action: str) -> _MicroBatch:
+        pending = self._pending
+        if pending is None or pending.share is None:
+            raise RuntimeError(
+                f"`{action}` needs a micro-batch begun in pieces (`begin_micro_batch(..., share=...)`)."
+            )
+        return pending
+
+    def _piece_measure(self, pending: _MicroBatch) -> tuple[Any, Any]:
+        """The running piece's items and the factor its gradient carries, for the noise scale."""
+        share, count = pending.share, pending.count
+        assert share is not None  # a micro-batch in pieces
+        items = None if count.items is None else count.items * share
+        weight = count.weight if self._weighting.weighted else 1.0
+        return items, weight * self._scale.value() * share
 
     def end_micro_batch(self, *, reevaluation: bool = False) -> None:
         """End the micro-batch begun by :meth:`begin_micro_batch`, after its backward: record it.
@@ -397,6 +459,8 @@ class GradAccumulator:
             raise RuntimeError(
                 "`end_micro_batch` was called without `begin_micro_batch` before the backward."
             )
+        if pending.share is not None and self._noise.watching:  # the last piece's norms
+            self._noise.end_piece(*self._piece_measure(pending))
         self.record(pending.count, pending.loss, reevaluation=reevaluation)
         if pending.last and self._scale.scaler is not None:
             self.flush_to_grad()  # the scaler unscales and checks `.grad`

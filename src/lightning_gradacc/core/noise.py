@@ -227,6 +227,21 @@ class NoiseScale:
         self._parts: list[Tensor] = []
         self._fired: set[int] = set()
         self._repeated = False
+        # the measured pieces of a micro-batch split into pieces, each with its own backward: (norms, items,
+        # factor), folded into the window when the micro-batch is recorded
+        self._pieces: list[tuple[list[Tensor], Scalar, Scalar]] = []
+
+    def end_piece(self, items: Scalar | None, factor: Scalar) -> None:
+        """A piece of the pending micro-batch ran its own backward: keep its norms as one measurement.
+
+        Any item-weighted set of independent groups gives an unbiased S (class docstring), so each piece
+        (``items`` of its own, its gradient ``factor`` x its mean gradient) is measured alone; the
+        micro-batch still counts once in the window's gradient when it is recorded.
+        """
+        parts, repeated = self._parts, self._repeated
+        self._parts, self._fired, self._repeated = [], set(), False
+        if parts and not repeated:
+            self._pieces.append((parts, 1.0 if items is None else items, factor))
 
     def _on_gradient(self, index: int, grad: Tensor) -> None:
         if index in self._fired:  # a second gradient of the same parameter in one pass: norms don't add
@@ -244,8 +259,10 @@ class NoiseScale:
             weight: The factor its loss was multiplied by (``"weighted"``).
             scale: The loss scale times the AMP scale, which its gradient also carries.
         """
-        parts, repeated = self._parts, self._repeated
+        parts, repeated, pieces = self._parts, self._repeated, self._pieces
         self.begin_backward()
+        for piece_parts, piece_items, piece_factor in pieces:  # a micro-batch run in pieces
+            self._measure(piece_parts, piece_items, piece_factor)
         self._micro_batches_recorded += 1
         if (items is None) != self._unit_missing:
             if self._micro_batches_recorded > 1:  # counts known for some micro-batches only
@@ -299,6 +316,32 @@ class NoiseScale:
             row["measured_items"] = torch.where(ok, count_t, zero)
             row["measured"] = ok.to(self.dtype)
         self._rows.append(torch.stack([row[name] for name in TOTALS]))
+
+    def _measure(self, parts: list[Tensor], count: Scalar, factor: Scalar) -> None:
+        """Add one measured piece to S's sums alone (its micro-batch is counted by :meth:`record`)."""
+        squared = torch.stack(parts).to(self.dtype).square().sum()
+        if isinstance(count, Tensor) or isinstance(factor, Tensor):
+            full = self._full
+            count_t = (
+                count.to(self.device, self.dtype).reshape(()) if isinstance(count, Tensor) else full(count)
+            )
+            factor_t = (
+                factor.to(self.device, self.dtype).reshape(()) if isinstance(factor, Tensor) else full(factor)
+            )
+            ok = (count_t > 0) & (factor_t != 0)
+            zero = full(0.0)
+            row = dict.fromkeys(TOTALS, zero)
+            unscaled = squared / torch.where(ok, factor_t, 1.0).square()
+            row["measured_small"] = torch.where(ok, count_t * unscaled, zero)
+            row["measured_items"] = torch.where(ok, count_t, zero)
+            row["measured"] = ok.to(self.dtype)
+            self._rows.append(torch.stack([row[name] for name in TOTALS]))
+            return
+        if count <= 0 or factor == 0:
+            return
+        self._small.append(squared * (count / (factor * factor)))
+        self._host["measured_items"] += count
+        self._host["measured"] += 1.0
 
     def _full(self, value: float) -> Tensor:
         return torch.full((), float(value), dtype=self.dtype, device=self.device)  # a fill: no copy, no sync
@@ -583,6 +626,9 @@ class NoNoiseScale:
 
     def begin_backward(self) -> None:
         """Nothing to forget."""
+
+    def end_piece(self, items: Scalar | None, factor: Scalar) -> None:
+        """Nothing to measure."""
 
     def record_micro_batch(
         self, items: Any, weight: Scalar, scale: Callable[[], Scalar], *, reevaluation: bool

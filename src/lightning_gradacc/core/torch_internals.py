@@ -61,6 +61,17 @@ def scaler_found_inf(scaler: Any, optimizer: Any) -> bool:
     return any(float(value.item()) for value in found.values())
 
 
+def reset_scaler_optimizer_states(scaler: Any) -> None:
+    """Forget what a GradScaler noted of each optimizer since its last ``update()`` (unscaled, ``found_inf``).
+
+    ``GradScaler._per_optimizer_states`` (``torch/amp/grad_scaler.py``), renewed as ``update()`` does: after
+    an out-of-memory error the failed pass must leave no state behind for the step.
+    """
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is not None:
+        states.clear()  # a defaultdict: each optimizer gets a fresh state at its next use
+
+
 def steps_with_amp_scaling(optimizer: Any) -> bool:
     """Whether ``optimizer``'s step reads ``found_inf``/``grad_scale`` (and unscales inside it).
 

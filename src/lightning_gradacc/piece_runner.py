@@ -1,0 +1,392 @@
+"""Running each loader batch as pieces with their own backward, and surviving out-of-memory errors.
+
+``piece_size`` keeps the loader's batch as Lightning's unit (every counter, the window plan, schedules and
+"auto" K keep their meaning) and runs it inside the step as pieces of at most that many items, each
+forward followed by its backward, its loss weighted by its share of the batch's items (tokens with an item
+counter). The window's gradient is then exactly the one of the whole batch: memory follows the piece.
+
+How it plugs in: for one fit the runner stands in for the strategy's ``training_step`` and the precision
+plugin's ``backward`` (their public methods, on those instances only). ``training_step`` runs the first
+piece's forward and hands Lightning a *stand-in* loss of the same value without its graph; Lightning's
+hooks run as for any batch (``on_before_backward`` once, ``on_after_backward`` once), and its ``backward``
+of the stand-in is where the runner back-propagates each real piece (the others' forwards there too). The
+runner thus holds every graph itself and can drop it after an out-of-memory error: Lightning holds none.
+
+``piece_size="auto"`` starts from whole batches. On ``torch.OutOfMemoryError`` (or the messages Lightning's
+``is_oom_error`` knows) the piece size halves: after a forward, the batch goes on from the failed piece
+(no gradient was added); after a backward, the batch runs again from its start where nothing else is lost
+(``.grad`` then holds that batch's gradient alone: it opens its window, or the window's earlier gradients
+are in fp32 buffers), or from a snapshot of the gradients (``oom_snapshot=True``), else it raises with the
+reason. Data-parallel ranks agree on the size with one scalar all-reduce (a minimum) per loader batch.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from .batch_pieces import SplitFn, batch_length, pieces_of
+from .core.torch_internals import reset_scaler_optimizer_states
+
+PieceSize = int | Literal["auto"] | None
+
+
+def check_piece_size(value: Any) -> PieceSize:
+    """``value`` if it is ``None``, ``"auto"`` or an int >= 1; else an error naming the argument."""
+    if value is None or value == "auto":
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"Expected argument `piece_size` to be None, an int >= 1 (items per piece) or 'auto', but got"
+            f" {value!r}."
+        )
+    return value
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an out-of-memory error: torch's, or one Lightning's ``is_oom_error`` knows."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    from pytorch_lightning.utilities.memory import is_oom_error
+
+    return is_oom_error(error)
+
+
+@dataclass
+class PieceCounters:
+    """What the runner saves in a checkpoint: the agreed size (a resume does not run out again) and counts."""
+
+    size: int | None = None  # the largest piece that fits ("auto"); None: whole batches so far
+    oom_retries: int = 0  # out-of-memory errors recovered from, over the run
+    allocator_retries: int = 0  # the CUDA allocator's retries last seen (thrashing shrinks the size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The size and the retries (plain numbers)."""
+        return {"size": self.size, "oom_retries": self.oom_retries}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a saved :meth:`state_dict`."""
+        size = state.get("size")
+        self.size = None if size is None else int(size)
+        self.oom_retries = int(state.get("oom_retries", 0))
+
+
+@dataclass
+class _Run:
+    """One loader batch as it runs: its pieces to come, what the first forward left for the backward."""
+
+    batch: Any
+    rest: tuple[Any, ...] = ()  # training_step's arguments after the batch
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    items: Any = None  # the batch's item count (the share's denominator)
+    pieces: list[Any] = field(default_factory=list)  # still to run
+    first_loss: Tensor | None = None  # the first piece's real loss (with its graph), times its share
+    loss_sum: Tensor | None = None  # Σ share x loss of the pieces run: the batch's loss
+    largest: int = 0  # the largest piece run
+
+
+class PieceRunner:
+    """Runs each loader batch of a fit in pieces (see the module docstring).
+
+    Args:
+        setting: ``piece_size``: an int, or ``"auto"``.
+        split_fn: ``(batch, size) -> list of pieces`` for a batch the default splitter cannot cut.
+        snapshot: Keep a copy of the gradients before each batch, so that an out-of-memory error in a
+            backward can start the batch over wherever it happens (one gradient of extra memory).
+    """
+
+    def __init__(self, setting: int | Literal["auto"], *, split_fn: SplitFn | None, snapshot: bool) -> None:
+        self.setting = setting
+        self.split_fn = split_fn
+        self.snapshot = snapshot
+        self.counters = PieceCounters(size=setting if isinstance(setting, int) else None)
+        self._run: _Run | None = None
+        self._installed: tuple[Any, Any] | None = None  # (strategy, precision plugin) patched
+        self._accumulator: Any = None
+        self._count: Callable[[Any], Any] = batch_length
+        self._length: Callable[[Any], int] = batch_length
+        self._allocator_retries: Callable[[], int | None] = _cuda_allocator_retries
+        self._world_size = 1
+        self._last_largest = 0
+
+    @property
+    def auto(self) -> bool:
+        """Whether the size adapts to out-of-memory errors (``"auto"``)."""
+        return self.setting == "auto"
+
+    # ------------------------------------------------------------------------------------- the fit
+
+    def install(
+        self,
+        trainer: Any,
+        accumulator: Any,
+        *,
+        count: Callable[[Any], Any] | None,
+        length: Callable[[Any], int],
+    ) -> None:
+        """Stand in for the strategy's ``training_step`` and the plugin's ``backward`` for this fit."""
+        self.uninstall()
+        strategy, plugin = trainer.strategy, trainer.strategy.precision_plugin
+        self._step, self._backward = strategy.training_step, plugin.backward
+        strategy.training_step, plugin.backward = self._training_step, self._plugin_backward
+        self._installed = (strategy, plugin)
+        self._trainer = trainer
+        self._accumulator = accumulator
+        self._length = length
+        self._count = count if count is not None else length
+        self._world_size = trainer.world_size
+        self.counters.allocator_retries = self._allocator_retries() or 0
+
+    def uninstall(self) -> None:
+        """Give the strategy and the plugin their own methods back (end of the fit, or an error)."""
+        installed, self._installed = self._installed, None
+        self._run = None
+        if installed is not None:
+            strategy, plugin = installed
+            del strategy.training_step, plugin.backward  # the instance attributes: the class's show again
+
+    # ------------------------------------------------------------------------------------ per batch
+
+    def begin_batch(self, batch: Any, items: Any) -> None:
+        """A loader batch starts: agree on the size (``"auto"``, over ranks), before its first forward."""
+        if self.auto:
+            self._shrink_if_thrashing()
+            if self._world_size > 1:
+                self.counters.size = self._agreed_size(self.counters.size)
+        self._run = _Run(batch, items=items)
+
+    @property
+    def in_pieces(self) -> bool:
+        """Whether the running batch goes through the runner's backward (else Lightning's, untouched)."""
+        run = self._run
+        return run is not None and run.first_loss is not None
+
+    def end_batch(self, outputs: Any) -> None:
+        """The batch ended: Lightning's ``outputs["loss"]`` becomes the whole batch's (it was the first's)."""
+        run, self._run = self._run, None
+        if run is None or run.loss_sum is None:
+            return
+        self._last_largest = run.largest
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
+        if isinstance(loss, Tensor):  # Lightning's detached copy of L / K
+            loss.copy_(run.loss_sum / self._trainer.accumulate_grad_batches)
+
+    def metrics(self) -> dict[str, float]:
+        """``piece_size`` (the largest piece of the last batch) and ``oom_retries`` (over the run)."""
+        return {"piece_size": float(self._last_largest), "oom_retries": float(self.counters.oom_retries)}
+
+    # --------------------------------------------------------------------------- the stand-in methods
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
+        run = self._run
+        if run is None or not args:
+            return self._step(*args, **kwargs)
+        run.rest, run.kwargs, run.loss_sum = args[1:], kwargs, None
+        size = self.counters.size
+        whole = size is None or self._length(run.batch) <= size
+        if whole and not self.auto:  # nothing to cut: Lightning's own path
+            self._run = None
+            return self._step(*args, **kwargs)
+        run.pieces = [run.batch] if whole else pieces_of(run.batch, size, self.split_fn)  # type: ignore[arg-type]
+        while True:
+            piece = run.pieces[0]
+            try:
+                with self._no_sync() if len(run.pieces) > 1 else nullcontext():
+                    output = self._step(piece, *run.rest, **kwargs)
+            except Exception as error:
+                if not (self.auto and is_out_of_memory(error)):
+                    raise
+                message = str(error)
+            else:
+                loss = self._piece_loss(output, piece, run)
+                run.first_loss = loss
+                stand_in = loss.detach().requires_grad_() * 1.0  # the value, no graph: Lightning holds it
+                return _with_loss(output, stand_in)
+            self._recover(run, piece, message, backward=False)
+
+    def _plugin_backward(self, tensor: Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        run = self._run
+        if run is None or run.first_loss is None:
+            self._backward(tensor, model, optimizer, *args, **kwargs)
+            return
+        del tensor  # the stand-in: its gradient is nothing
+        accumulator = self._accumulator
+        snapshot = self._take_snapshot() if self.snapshot else None
+        accumulator.restart_micro_batch()  # the pieces weigh and record themselves
+        while run.pieces:
+            piece, last_piece = run.pieces[0], len(run.pieces) == 1
+            stage, synced = "forward", False
+            loss: Tensor | None
+            try:
+                loss, run.first_loss = run.first_loss, None
+                if loss is None:  # a later piece (the first one's forward ran in `training_step`)
+                    with nullcontext() if last_piece else self._no_sync():
+                        loss = self._piece_loss(self._step(piece, *run.rest, **run.kwargs), piece, run)
+                assert loss is not None
+                stage, synced = "backward", last_piece and self._syncs()
+                self._backward(self._weighed(loss, piece, run), model, optimizer, *args, **kwargs)
+                del loss
+            except Exception as error:
+                if not (self.auto and is_out_of_memory(error)):
+                    raise
+                message = str(error)
+            else:
+                run.largest = max(run.largest, self._length(piece))
+                run.pieces.pop(0)
+                continue
+            loss = None  # the failed pass's graph goes with it
+            if stage == "forward":  # no gradient was added: go on from this piece, smaller
+                self._recover(run, piece, message, backward=False)
+            else:
+                self._restart(run, piece, message, snapshot, synced=synced)
+
+    def _weighed(self, loss: Tensor, piece: Any, run: _Run) -> Tensor:
+        """``loss`` (a piece's, times its share) as Lightning back-propagates: / K, AMP-scaled, weighed."""
+        scaled = loss / self._trainer.accumulate_grad_batches
+        scaler = getattr(self._installed[1], "scaler", None)  # type: ignore[index]
+        if scaler is not None:
+            scaled = scaler.scale(scaled)
+        return self._accumulator.next_piece(scaled, self._share(piece, run))  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------------------------- recovery
+
+    def _recover(self, run: _Run, piece: Any, message: str, *, backward: bool) -> None:
+        """Halve the size below the failed piece's and cut the pieces still to run again."""
+        length = self._length(piece)
+        if length <= 1:
+            raise torch.OutOfMemoryError(
+                f"A single item does not fit (piece_size='auto' halved down to 1 and ran out of memory in a"
+                f" {'backward' if backward else 'forward'} again): {message}"
+            )
+        self.counters.size = max(1, length // 2)
+        self.counters.oom_retries += 1
+        self._free()
+        size = self.counters.size
+        run.pieces = [part for old in run.pieces for part in pieces_of(old, size, self.split_fn)]
+        run.loss_sum = None if backward else run.loss_sum
+
+    def _restart(
+        self, run: _Run, piece: Any, message: str, snapshot: list[Any] | None, *, synced: bool
+    ) -> None:
+        """After an out-of-memory error in a backward: run the batch again from its start, or raise."""
+        accumulator = self._accumulator
+        if synced:
+            raise RuntimeError(
+                "Out of memory in a backward that DDP synchronizes (the last piece of a window's last batch):"
+                " its all-reduce is half done on this rank, so the batch cannot run again. Set an int"
+                f" `piece_size` below {self._length(piece)} for this run. The error: {message}"
+            )
+        if snapshot is None and not accumulator.pending_alone_in_grad:
+            raise RuntimeError(
+                "Out of memory in a backward, which may have added part of a gradient to the window's earlier"
+                " micro-batches in `.grad`: the batch cannot run again exactly. Accumulate in buffers"
+                " (`accumulation_dtype='float32'`), or keep a snapshot of the gradients"
+                " (`oom_snapshot=True`: one gradient of memory), or set an int `piece_size` below"
+                f" {self._length(piece)}. The error: {message}"
+            )
+        params = [p for group in self._trainer.optimizers for g in group.param_groups for p in g["params"]]
+        if snapshot is None:
+            for param in params:
+                param.grad = None
+        else:
+            for param, kept in zip(_unique(params), snapshot, strict=True):
+                param.grad = None if kept is None else kept.clone()
+        accumulator.restart_micro_batch()
+        self._recover(run, piece, message, backward=True)
+        run.pieces = pieces_of(run.batch, self.counters.size, self.split_fn)  # type: ignore[arg-type]
+
+    def _free(self) -> None:
+        """What an out-of-memory error leaves: the scaler's per-optimizer state, the outputs, the cache."""
+        scaler = getattr(self._installed[1], "scaler", None)  # type: ignore[index]
+        if scaler is not None:
+            reset_scaler_optimizer_states(scaler)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _take_snapshot(self) -> list[Tensor | None] | None:
+        if self._accumulator.pending_alone_in_grad:
+            return None  # nothing to lose: no copy
+        params = [p for group in self._trainer.optimizers for g in group.param_groups for p in g["params"]]
+        return [None if p.grad is None else p.grad.detach().clone() for p in _unique(params)]
+
+    # -------------------------------------------------------------------------------------- helpers
+
+    def _piece_loss(self, output: Any, piece: Any, run: _Run) -> Tensor:
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not isinstance(loss, Tensor):
+            raise RuntimeError(
+                "With `piece_size`, `training_step` must return the loss (a Tensor, or a mapping with 'loss')"
+                f" for every piece; it returned {type(output).__name__}."
+            )
+        share = self._share(piece, run)
+        weighted = loss if isinstance(share, float) and share == 1.0 else loss * share
+        value = weighted.detach()
+        run.loss_sum = value if run.loss_sum is None else run.loss_sum + value
+        return weighted
+
+    def _share(self, piece: Any, run: _Run) -> float | Tensor:
+        """The piece's part of the batch's items (0 where the batch has none)."""
+        total = run.items if run.items is not None else self._count(run.batch)
+        part = self._count(piece) if len(run.pieces) > 1 or piece is not run.batch else total
+        if isinstance(total, Tensor) or isinstance(part, Tensor):
+            total_t = torch.as_tensor(total)
+            part_t = torch.as_tensor(part).to(total_t.device)
+            return torch.where(total_t > 0, part_t / torch.where(total_t > 0, total_t, 1), 0.0)
+        return float(part) / float(total) if total else 0.0
+
+    @contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        block = getattr(self._installed[0], "block_backward_sync", None)  # type: ignore[index]
+        with block() if block is not None else nullcontext():
+            yield
+
+    def _syncs(self) -> bool:
+        """Whether the coming backward all-reduces over DDP ranks (its forward ran with sync on)."""
+        model = getattr(self._installed[0], "model", None)  # type: ignore[index]
+        return self._world_size > 1 and bool(getattr(model, "require_backward_grad_sync", False))
+
+    def _agreed_size(self, size: int | None) -> int | None:
+        """The smallest size over the ranks (one scalar all-reduce); None where every rank runs whole."""
+        import torch.distributed as dist
+
+        device = self._trainer.strategy.root_device
+        value = torch.tensor(float("inf") if size is None else float(size), device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        agreed = float(value)  # the one host read of "auto" per batch, under data parallelism only
+        return None if agreed == float("inf") else int(agreed)
+
+    def _shrink_if_thrashing(self) -> None:
+        """The CUDA allocator retried (freed its cache to fit) since the last batch: halve the size."""
+        retries = self._allocator_retries()
+        if retries is None:
+            return
+        seen, self.counters.allocator_retries = self.counters.allocator_retries, retries
+        if retries > seen and self._last_largest > 1:
+            self.counters.size = max(
+                1, min(self.counters.size or self._last_largest, self._last_largest) // 2
+            )
+
+
+def _with_loss(output: Any, loss: Tensor) -> Any:
+    if isinstance(output, Mapping):
+        return {**output, "loss": loss}
+    return loss
+
+
+def _unique(params: list[Tensor]) -> list[Tensor]:
+    seen: set[int] = set()
+    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
+
+
+def _cuda_allocator_retries() -> int | None:
+    """The CUDA caching allocator's ``num_alloc_retries`` (None without CUDA)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return None
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))

@@ -1,0 +1,328 @@
+"""``piece_size``: each loader batch run as pieces with their own backward equals the whole batch.
+
+Out-of-memory errors are injected (there is no GPU here): a forward raises ``torch.OutOfMemoryError``
+when its piece holds more items than the module's cap, a backward does so half-way (after the last
+layer's gradient was added, before the first layer's), as a real one may. Every oracle is a plain loop
+taking one step per window over the window's items as one batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_gradacc import GradientAccumulationCallback
+from lightning_gradacc.batch_pieces import UnsplittableBatch, split_batch
+from tests import helpers as h
+
+OOM = "CUDA out of memory (simulated)"
+
+
+class _OomInBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory for a piece of more than ``cap`` items."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cap: int) -> Tensor:  # type: ignore[override]
+        ctx.too_big = x.shape[0] > cap
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        if ctx.too_big:
+            raise torch.OutOfMemoryError(f"{OOM} in a backward")
+        return grad, None
+
+
+class OomModule(h.RegressionModule):
+    """Regression whose passes run out of memory above a cap of items (``cap(batch_index)``: it may change).
+
+    ``ranks``: the ranks that run out (None: all).
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        *,
+        forward_cap: Callable[[int], int | None] = lambda b: None,
+        backward_cap: Callable[[int], int | None] = lambda b: None,
+        ranks: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(data, **kwargs)
+        self.forward_cap, self.backward_cap, self.ranks = forward_cap, backward_cap, ranks
+        self.forwards: list[int] = []  # the items of every forward that ran to its end
+        self.ooms = 0  # out-of-memory errors raised
+
+    def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        here = self.ranks is None or self.global_rank in self.ranks
+        cap = self.forward_cap(batch_idx) if here else None
+        if cap is not None and len(x) > cap:
+            self.ooms += 1
+            raise torch.OutOfMemoryError(f"{OOM} in a forward")
+        hidden = self.net[0](x)
+        cap = self.backward_cap(batch_idx) if here else None
+        if cap is not None:
+            hidden = _OomInBackward.apply(hidden, cap)
+        self.forwards.append(len(x))
+        return nn.functional.mse_loss(self.net[2](self.net[1](hidden)), y)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.resumable:  # a batch is consumed once, whatever its pieces
+            self.trainer.train_dataloader.consumed += 1
+
+
+class Cap:
+    """Items that fit in batch ``b`` (picklable, for ``ddp_spawn``): ``at[b]``, else the value of the last key
+    of ``since`` at or before ``b`` (None: no limit)."""
+
+    def __init__(self, since: dict[int, int] | None = None, at: dict[int, int] | None = None) -> None:
+        self.since, self.at = since or {}, at or {}
+
+    def __call__(self, batch: int) -> int | None:
+        if batch in self.at:
+            return self.at[batch]
+        started = [cap for key, cap in sorted(self.since.items()) if key <= batch]
+        return started[-1] if started else None
+
+
+def reference(data: Any, batch_size: int, windows: list[list[int]], **kwargs: Any) -> nn.Module:
+    return h.big_batch_reference(h.regression_net(), data, batch_size, windows, h.mse, **kwargs)
+
+
+def fit(module: Any, callback: Any, **kwargs: Any) -> Any:
+    return h.fit(module, callback, **kwargs)
+
+
+def test_an_int_piece_size_splits_every_batch_and_equals_the_whole_batch() -> None:
+    data = h.regression_data(40)  # 5 batches of 8 in pieces of 3, 3, 2; K=2: windows 2, 2, 1
+    module = OomModule(data, batch_size=8)
+    callback = GradientAccumulationCallback(2, piece_size=3, max_grad_norm=0.5)
+    fit(module, callback)
+    assert module.forwards == [3, 3, 2] * 5
+    expected = reference(data, 8, h.windows(5, 2), max_grad_norm=0.5)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    metrics = callback.metrics()
+    assert metrics["grad_accum/piece_size"] == 3 and metrics["grad_accum/oom_retries"] == 0
+    assert callback.stats.total_micro_batches == 5  # the loader's batches: pieces are not micro-batches
+
+
+def test_auto_halves_on_a_forward_oom_and_goes_on_from_the_failed_piece() -> None:
+    data = h.regression_data(40)
+    # fragmentation: whole batches fit at first, then only 5 items (8 -> 4), later only 3 (4 -> 2)
+    module = OomModule(data, batch_size=8, forward_cap=lambda b: None if b < 1 else (5 if b < 3 else 3))
+    callback = GradientAccumulationCallback(2, piece_size="auto")
+    fit(module, callback)
+    assert module.forwards == [8, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2]
+    expected = reference(data, 8, h.windows(5, 2))
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    metrics = callback.metrics()
+    assert metrics["grad_accum/oom_retries"] == 2 and metrics["grad_accum/piece_size"] == 2
+
+
+def test_auto_redoes_a_batch_after_a_backward_oom_where_its_window_is_safe() -> None:
+    data = h.regression_data(48)  # 6 batches of 8; K=3: windows 3, 3
+    # batch 3 opens a window (nothing else in .grad); batch 4 is the 2nd of its window: in fp32 buffers
+    module = OomModule(data, batch_size=8, backward_cap=lambda b: {3: 4, 4: 2}.get(b, 8))
+    callback = GradientAccumulationCallback(3, piece_size="auto", accumulation_dtype="float64")
+    fit(module, callback)
+    # a redo runs the batch again from its start: batch 3 whole, then 4 + 4; batch 4: 4, then 2 x 4
+    assert module.forwards == [8, 8, 8, 8, 4, 4, 4, *[2] * 8]
+    expected = reference(data, 8, h.windows(6, 3))
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    assert callback.metrics()["grad_accum/oom_retries"] == 2
+
+
+def test_a_backward_oom_with_earlier_gradients_in_grad_raises_with_the_reason() -> None:
+    data = h.regression_data(40)
+    module = OomModule(data, batch_size=8, backward_cap=lambda b: 4 if b == 1 else 8)
+    callback = GradientAccumulationCallback(2, piece_size="auto")
+    with pytest.raises(RuntimeError, match=r"Out of memory in a backward.*oom_snapshot=True"):
+        fit(module, callback)
+
+
+def test_oom_snapshot_redoes_a_backward_oom_anywhere() -> None:
+    data = h.regression_data(40)
+    module = OomModule(data, batch_size=8, backward_cap=lambda b: 4 if b == 1 else 8)
+    callback = GradientAccumulationCallback(2, piece_size="auto", oom_snapshot=True, max_grad_norm=0.5)
+    fit(module, callback)
+    expected = reference(data, 8, h.windows(5, 2), max_grad_norm=0.5)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    assert callback.metrics()["grad_accum/oom_retries"] == 1
+
+
+def test_token_weighted_pieces_of_variable_length_sequences_equal_all_tokens_at_once() -> None:
+    data = h.token_data()  # 24 sequences of 1..9 real tokens; batches of 6 in pieces of 4 and 2
+    module = h.TokenModule(data, batch_size=6)
+    callback = GradientAccumulationCallback(2, scaling="weighted", item_count_fn=h.count_tokens, piece_size=4)
+    fit(module, callback)
+    expected = h.big_batch_reference(h.token_net(), data, 6, h.windows(4, 2), h.token_loss, lr=0.5)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+
+
+def test_a_keyed_k_schedule_with_auto_pieces_steps_the_schedule_s_windows() -> None:
+    data = h.regression_data(40)  # 10 batches of 4; K=2, then 3 from step 2
+    module = OomModule(data, forward_cap=lambda b: None if b < 3 else 3)
+    schedule = {0: 2, 2: 3}
+    callback = GradientAccumulationCallback(schedule, schedule_unit="steps", piece_size="auto")
+    fit(module, callback)
+    windows = [window for window, _ in h.keyed_windows(schedule, 10)]
+    assert h.max_abs_diff(module.net, reference(data, 4, windows)) < 1e-6
+    assert callback.metrics()["grad_accum/oom_retries"] == 1
+
+
+def test_auto_k_with_pieces_replays_as_fixed_windows_and_measures_each_piece() -> None:
+    from lightning_gradacc.k_policies import AutoSettings
+
+    data = h.regression_data(80)  # 20 batches of 4, each in pieces of 2
+    module = OomModule(data, forward_cap=lambda b: 3, lr=0.05)
+    windows = h.SteppedWindows()
+    settings = AutoSettings(patience=1, max_k=8, powers_of_two=False)
+    callback = GradientAccumulationCallback("auto", auto=settings, piece_size="auto")
+    h.fit(module, callback, windows, max_epochs=4)
+    assert max(len(window) for window in windows.windows) > 2  # K moved from its start
+    expected = reference(data, 4, windows.windows, lr=0.05)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    assert math.isfinite(callback.stats.noise_scale) and callback.stats.noise_scale > 0
+
+
+def test_a_resume_inside_a_window_after_an_oom_is_exact_and_does_not_run_out_again(tmp_path: Path) -> None:
+    data = h.regression_data(40)  # 10 batches of 4 per epoch, K=4; out of memory above 3 items
+
+    def run() -> tuple[OomModule, Any]:
+        module = OomModule(data, forward_cap=lambda b: 3, resumable=True)
+        return module, GradientAccumulationCallback(4, piece_size="auto")
+
+    path = tmp_path / "mid_window.ckpt"
+    h.preempt(*(lambda m, c: (m, [c]))(*run()), 5, path)
+    resumed, callback = run()
+    h.trainer(callbacks=[callback], max_epochs=2).fit(resumed, ckpt_path=path)
+    expected = reference(data, 4, h.windows(10, 4, epochs=2))
+    assert h.max_abs_diff(resumed.net, expected) < 1e-6
+    assert resumed.ooms == 0 and set(resumed.forwards) == {2}  # the saved size: no new out-of-memory
+    assert callback.metrics()["grad_accum/oom_retries"] == 1
+
+
+def test_16_mixed_pieces_with_a_backward_oom_match_the_big_batch_under_the_same_autocast() -> None:
+    data = h.regression_data(40)
+    module = OomModule(data, batch_size=8, backward_cap=lambda b: 4 if b == 2 else 8)
+    callback = GradientAccumulationCallback(2, piece_size="auto", max_grad_norm=0.5)
+    fit(module, callback, plugins=[h.amp_plugin()])
+    expected = reference(data, 8, h.windows(5, 2), max_grad_norm=0.5, fp16_autocast=True)
+    assert h.max_abs_diff(module.net, expected) < 2e-4  # fp16 rounding: pieces vs the big batch
+    assert callback.metrics()["grad_accum/oom_retries"] == 1
+    assert callback.stats.skipped_steps == 0
+
+
+def test_the_hf_style_halving_without_reweighting_fails_the_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: each piece weighted as a whole micro-batch (the size halved, K unchanged)."""
+    from lightning_gradacc import piece_runner
+
+    monkeypatch.setattr(piece_runner.PieceRunner, "_share", lambda self, piece, run: 1.0)
+    data = h.regression_data(40)
+    module = OomModule(data, batch_size=8, forward_cap=lambda b: None if b < 1 else 5)
+    fit(module, GradientAccumulationCallback(2, piece_size="auto"))
+    expected = reference(data, 8, h.windows(5, 2))
+    assert h.max_abs_diff(module.net, expected) > 1e-3
+
+
+# ------------------------------------------------------------------------------------ splitting
+
+
+def test_the_default_splitter_cuts_tensors_mappings_and_sequences_on_their_first_dimension() -> None:
+    batch = {
+        "x": torch.arange(5),
+        "pair": (torch.zeros(5, 2), torch.ones(5)),
+        "tag": "t",
+        "n": torch.tensor(3),
+    }
+    pieces = split_batch(batch, 2)
+    assert [len(p["x"]) for p in pieces] == [2, 2, 1]
+    assert pieces[2]["pair"][0].shape == (1, 2) and pieces[1]["tag"] == "t" and pieces[0]["n"] == 3
+
+
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        ({"ids": ["a", "b", "c"], "x": torch.zeros(3)}, "list of 3 non-tensor values"),
+        ((torch.zeros(3), torch.zeros(4)), r"disagree on their first dimension \(\[3, 4\]\)"),
+        ("text", "type str has no tensor"),
+    ],
+)
+def test_a_batch_the_default_splitter_cannot_cut_is_refused_by_type(batch: Any, match: str) -> None:
+    with pytest.raises(UnsplittableBatch, match=match):
+        split_batch(batch, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"piece_size": 0}, ValueError, r"`piece_size` to be None, an int >= 1.*got 0"),
+        ({"piece_size": True}, ValueError, "`piece_size`"),
+        ({"piece_size": "half"}, ValueError, "'half'"),
+        ({"split_fn": lambda b, s: [b]}, ValueError, "`split_fn` has no effect without `piece_size`"),
+        ({"piece_size": 2, "split_fn": 3}, TypeError, "`split_fn`"),
+        ({"piece_size": 2, "oom_snapshot": True}, ValueError, "only with `piece_size='auto'`"),
+    ],
+)
+def test_bad_piece_arguments_are_refused_at_construction(kwargs: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        GradientAccumulationCallback(2, **kwargs)
+
+
+def test_a_split_fn_cuts_a_batch_the_default_splitter_cannot() -> None:
+    data = h.regression_data(40)
+
+    class Named(OomModule):  # each batch carries a name per item, which the default splitter refuses
+        def train_dataloader(self) -> Any:
+            x, y = data.tensors
+            names = [f"row {i}" for i in range(40)]
+            return h.BatchList(
+                [{"x": x[i : i + 8], "y": y[i : i + 8], "names": names[i : i + 8]} for i in range(0, 40, 8)]
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            assert len(batch["names"]) == len(batch["x"])
+            self.forwards.append(len(batch["x"]))
+            return h.mse(self.net, batch["x"], batch["y"])
+
+    def split(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
+        return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, len(batch["x"]), size)]
+
+    with pytest.raises(UnsplittableBatch, match="list of 8 non-tensor values"):
+        fit(Named(data), GradientAccumulationCallback(2, piece_size=3))
+    module = Named(data)
+    callback = GradientAccumulationCallback(2, piece_size=3, split_fn=split)
+    fit(module, callback)
+    assert module.forwards == [3, 3, 2] * 5
+    assert h.max_abs_diff(module.net, reference(data, 8, h.windows(5, 2))) < 1e-6
+    assert callback.metrics()["grad_accum/piece_size"] == 3
+
+
+def test_a_hugging_face_batch_encoding_keeps_its_class_in_pieces() -> None:
+    transformers = pytest.importorskip("transformers")
+    encoding = transformers.BatchEncoding(
+        {"input_ids": torch.zeros(5, 3), "attention_mask": torch.ones(5, 3)}
+    )
+    pieces = split_batch(encoding, 2)
+    assert [type(p) for p in pieces] == [transformers.BatchEncoding] * 3
+    assert [p["input_ids"].shape[0] for p in pieces] == [2, 2, 1]
+
+
+def test_pieces_under_fsdp_or_deepspeed_are_refused_before_training() -> None:
+    from types import SimpleNamespace
+
+    from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    callback = GradientAccumulationCallback(2, piece_size=2)
+    module = h.RegressionModule(h.regression_data(8))
+    for strategy, name in ((FSDPStrategy(), "FSDP"), (DeepSpeedStrategy(), "DeepSpeed")):
+        trainer = SimpleNamespace(strategy=strategy, callbacks=[callback])
+        with pytest.raises(RuntimeError, match=rf"`piece_size=2` runs each batch in pieces.*{name}"):
+            callback._verify("configuration", trainer, module)
