@@ -47,6 +47,18 @@ def batch_length(batch: Any) -> int:
     return lengths.pop()
 
 
+def items_or(fallback: Callable[[Any], int]) -> Callable[[Any], int]:
+    """:func:`batch_length`, or ``fallback`` for a batch it cannot read (a user ``split_fn``'s pieces)."""
+
+    def length(batch: Any) -> int:
+        try:
+            return batch_length(batch)
+        except UnsplittableBatch:
+            return fallback(batch)
+
+    return length
+
+
 def split_batch(batch: Any, size: int) -> list[Any]:
     """``batch`` as consecutive pieces of at most ``size`` items (views of its tensors: no copy).
 
@@ -127,4 +139,12 @@ def pieces_of(batch: Any, size: int, split_fn: SplitFn | None) -> list[Any]:
     return pieces
 
 
-__all__ = ["SplitFn", "UnsplittableBatch", "batch_length", "check_split_fn", "pieces_of", "split_batch"]
+__all__ = [
+    "SplitFn",
+    "UnsplittableBatch",
+    "batch_length",
+    "check_split_fn",
+    "items_or",
+    "pieces_of",
+    "split_batch",
+]

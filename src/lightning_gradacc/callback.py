@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from . import compatibility as compat
 from . import lightning_internals as internals
-from .batch_pieces import SplitFn, batch_length, check_split_fn
+from .batch_pieces import SplitFn, batch_length, check_split_fn, items_or
 from .core import AccumulationStats, GradAccumulator
 from .core.settings import SETTINGS, AccumulationSettings, with_setting_docs
 from .core.torch_internals import disarm
@@ -349,7 +349,7 @@ class GradientAccumulationLogic(_LogicBase):
                 trainer,
                 self._accumulator,
                 count=self.item_count_fn,
-                length=self._api.extract_batch_size if custom else batch_length,
+                length=items_or(self._api.extract_batch_size) if custom else batch_length,
             )
         self._monitored = monitors_statistics(trainer.callbacks)  # type: ignore[attr-defined]
         self._verify("train_start", trainer, pl_module)
@@ -673,7 +673,8 @@ class GradientAccumulationLogic(_LogicBase):
             return
         self._saved.load(state_dict)
         if self._pieces is not None and state_dict.get("pieces") is not None:
-            self._pieces.counters.load_state_dict(state_dict["pieces"])
+            pieces = self._pieces  # an int size is this run's setting; "auto" goes on from the saved one
+            pieces.counters.load_state_dict(state_dict["pieces"], size=pieces.auto)
         position = state_dict.get("plan", state_dict.get("schedule"))  # "schedule": keyed schedules, 0.2
         if position is not None:  # Lightning restores callbacks after `setup`
             self.plan.load_state_dict(position)

@@ -70,10 +70,11 @@ class PieceCounters:
         """The size and the retries (plain numbers)."""
         return {"size": self.size, "oom_retries": self.oom_retries}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Take a saved :meth:`state_dict`."""
-        size = state.get("size")
-        self.size = None if size is None else int(size)
+    def load_state_dict(self, state: Mapping[str, Any], *, size: bool = True) -> None:
+        """Take a saved :meth:`state_dict` (``size=False``: keep this run's size, an int ``piece_size``)."""
+        if size:
+            saved = state.get("size")
+            self.size = None if saved is None else int(saved)
         self.oom_retries = int(state.get("oom_retries", 0))
 
 
@@ -89,6 +90,7 @@ class _Run:
     first_loss: Tensor | None = None  # the first piece's real loss (with its graph), times its share
     loss_sum: Tensor | None = None  # Σ share x loss of the pieces run: the batch's loss
     largest: int = 0  # the largest piece run
+    shares: dict[int, float | Tensor] = field(default_factory=dict)  # by piece (its id): counted once
 
 
 class PieceRunner:
@@ -191,9 +193,10 @@ class PieceRunner:
         size = self.counters.size
         whole = size is None or self._length(run.batch) <= size
         if whole and not self.auto:  # nothing to cut: Lightning's own path
-            self._run = None
+            self._run, self._last_largest = None, self._length(run.batch)
             return self._step(*args, **kwargs)
         run.pieces = [run.batch] if whole else pieces_of(run.batch, size, self.split_fn)  # type: ignore[arg-type]
+        run.shares.clear()
         while True:
             piece = run.pieces[0]
             try:
@@ -269,6 +272,7 @@ class PieceRunner:
         self._free()
         size = self.counters.size
         run.pieces = [part for old in run.pieces for part in pieces_of(old, size, self.split_fn)]
+        run.shares.clear()  # new pieces (an id may be a freed one's)
         run.loss_sum = None if backward else run.loss_sum
 
     def _restart(
@@ -300,6 +304,7 @@ class PieceRunner:
         accumulator.restart_micro_batch()
         self._recover(run, piece, message, backward=True)
         run.pieces = pieces_of(run.batch, self.counters.size, self.split_fn)  # type: ignore[arg-type]
+        run.shares.clear()
 
     def _free(self) -> None:
         """What an out-of-memory error leaves: the scaler's per-optimizer state, the outputs, the cache."""
@@ -332,7 +337,13 @@ class PieceRunner:
         return weighted
 
     def _share(self, piece: Any, run: _Run) -> float | Tensor:
-        """The piece's part of the batch's items (0 where the batch has none)."""
+        """The piece's part of the batch's items (0 where the batch has none), counted once per piece."""
+        share = run.shares.get(id(piece))
+        if share is None:
+            share = run.shares[id(piece)] = self._count_share(piece, run)
+        return share
+
+    def _count_share(self, piece: Any, run: _Run) -> float | Tensor:
         total = run.items if run.items is not None else self._count(run.batch)
         part = self._count(piece) if len(run.pieces) > 1 or piece is not run.batch else total
         if isinstance(total, Tensor) or isinstance(part, Tensor):

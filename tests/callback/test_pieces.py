@@ -147,6 +147,19 @@ def test_a_backward_oom_with_earlier_gradients_in_grad_raises_with_the_reason() 
         fit(module, callback)
 
 
+def test_a_backward_oom_where_ddp_all_reduces_raises_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP's all-reducing backward (the last piece of a window's last batch) is half done: it cannot rerun.
+
+    Shown on one process, the backward taken for the all-reducing one (two ranks: the same code path)."""
+    from lightning_gradacc import piece_runner
+
+    monkeypatch.setattr(piece_runner.PieceRunner, "_syncs", lambda self: True)
+    module = OomModule(h.regression_data(40), batch_size=8, backward_cap=lambda b: 4)
+    callback = GradientAccumulationCallback(1, piece_size="auto", oom_snapshot=True)
+    with pytest.raises(RuntimeError, match=r"backward that DDP synchronizes.*int `piece_size` below 8"):
+        fit(module, callback)
+
+
 def test_oom_snapshot_redoes_a_backward_oom_anywhere() -> None:
     data = h.regression_data(40)
     module = OomModule(data, batch_size=8, backward_cap=lambda b: 4 if b == 1 else 8)
@@ -326,3 +339,17 @@ def test_pieces_under_fsdp_or_deepspeed_are_refused_before_training() -> None:
         trainer = SimpleNamespace(strategy=strategy, callbacks=[callback])
         with pytest.raises(RuntimeError, match=rf"`piece_size=2` runs each batch in pieces.*{name}"):
             callback._verify("configuration", trainer, module)
+
+
+def test_an_int_size_is_this_run_s_setting_on_resume_and_unsplit_batches_log_their_size(
+    tmp_path: Path,
+) -> None:
+    data = h.regression_data(40)
+    path = tmp_path / "mid_window.ckpt"
+    h.preempt(OomModule(data, resumable=True), [GradientAccumulationCallback(4, piece_size=3)], 5, path)
+    resumed = OomModule(data, resumable=True)
+    callback = GradientAccumulationCallback(4, piece_size=8)  # batches of 4 now run whole
+    h.trainer(callbacks=[callback], max_epochs=2).fit(resumed, ckpt_path=path)
+    assert set(resumed.forwards) == {4}
+    assert callback.metrics()["grad_accum/piece_size"] == 4
+    assert h.max_abs_diff(resumed.net, reference(data, 4, h.windows(10, 4, epochs=2))) < 1e-6
