@@ -156,6 +156,18 @@ def test_counting_predicted_tokens_equals_the_big_batch(counter: Callable[[Any],
     assert callback.stats.items_last_step == sum(len(ids) - 1 for ids in last_window)
 
 
+def test_each_sequence_as_its_own_piece_equals_the_big_batch() -> None:
+    """``piece_size=1``: every sequence its own forward and backward (padded to its batch's longest), its
+    loss HF's mean over its predicted tokens, weighted by their share of the batch's: the same windows."""
+    module = CausalLMModule()
+    callback = GradientAccumulationCallback(
+        K, scaling="weighted", item_count_fn=count_predicted_tokens, piece_size=1
+    )
+    h.trainer(callbacks=[callback], max_epochs=EPOCHS).fit(module)
+    assert h.max_abs_diff(module.model, big_batch_reference()) <= TOLERANCE
+    assert callback.stats.total_micro_batches == NUM_SEQUENCES // BATCH * EPOCHS
+
+
 def test_count_tokens_is_off_for_a_model_that_shifts_its_labels() -> None:
     """Why the shifted counter exists: counting every label weights the micro-batches wrongly."""
     module, _ = fit(count_tokens)

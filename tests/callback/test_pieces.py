@@ -331,12 +331,15 @@ def test_a_hugging_face_batch_encoding_keeps_its_class_in_pieces() -> None:
 def test_pieces_under_fsdp_or_deepspeed_are_refused_before_training() -> None:
     from types import SimpleNamespace
 
-    from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy
+    from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
     callback = GradientAccumulationCallback(2, piece_size=2)
     module = h.RegressionModule(h.regression_data(8))
-    for strategy, name in ((FSDPStrategy(), "FSDP"), (DeepSpeedStrategy(), "DeepSpeed")):
-        trainer = SimpleNamespace(strategy=strategy, callbacks=[callback])
+    strategies = [(FSDPStrategy(), "FSDP"), (DeepSpeedStrategy(), "DeepSpeed")]
+    parallel = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    strategies.append((parallel, r"ModelParallel \(FSDP2\)"))
+    for strategy, name in strategies:
+        trainer = SimpleNamespace(strategy=strategy, callbacks=[callback], world_size=1)
         with pytest.raises(RuntimeError, match=rf"`piece_size=2` runs each batch in pieces.*{name}"):
             callback._verify("configuration", trainer, module)
 
@@ -353,3 +356,17 @@ def test_an_int_size_is_this_run_s_setting_on_resume_and_unsplit_batches_log_the
     assert set(resumed.forwards) == {4}
     assert callback.metrics()["grad_accum/piece_size"] == 4
     assert h.max_abs_diff(resumed.net, reference(data, 4, h.windows(10, 4, epochs=2))) < 1e-6
+
+
+def test_a_thrashing_allocator_halves_the_size_as_an_error_would() -> None:
+    """The CUDA allocator's retries (it freed its cache to fit) grow during batch 1: batch 2 runs halved."""
+    data = h.regression_data(40)
+    module = OomModule(data, batch_size=8)
+    callback = GradientAccumulationCallback(2, piece_size="auto")
+    readings = iter([0, 0, 0, 3, 3, 3])  # at install, then before each batch
+    assert callback._pieces is not None
+    callback._pieces._allocator_retries = lambda: next(readings)
+    fit(module, callback)
+    assert module.forwards == [8, 8, 4, 4, 4, 4, 4, 4]
+    assert h.max_abs_diff(module.net, reference(data, 8, h.windows(5, 2))) < 1e-6
+    assert callback.metrics()["grad_accum/oom_retries"] == 0

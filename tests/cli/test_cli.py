@@ -246,3 +246,28 @@ def test_a_config_is_named_by_its_shipped_name_and_an_unknown_name_lists_them(
     monkeypatch.chdir(tmp_path)
     cli = build_cli(["--config", "quickstart"], run=False)
     assert the_callback(cli, GradientAccumulationCallback).plan.policy.k == 2
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        ["--trainer.callbacks.init_args.piece_size=auto", "--trainer.callbacks.init_args.oom_snapshot=true"],
+        [
+            "--trainer.callbacks.init_args.piece_size=8",
+            "--trainer.callbacks.init_args.split_fn=lightning_gradacc.batch_pieces.split_batch",
+        ],
+    ],
+    ids=["auto", "int-and-split_fn"],
+)
+def test_piece_size_comes_from_the_command_line_and_the_run_trains(
+    override: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["fit", "--config", str(PACKAGED_CONFIGS / "quickstart.yaml"), *QUICK, *override]
+    callback = the_callback(
+        build_cli([*args, f"--trainer.logger.init_args.save_dir={tmp_path}"]), GradientAccumulationCallback
+    )
+    from lightning_gradacc.batch_pieces import split_batch
+
+    assert callback.piece_size == ("auto" if "auto" in override[0] else 8)
+    assert callback.split_fn in (None, split_batch)
+    assert callback.stats.windows > 0 and callback.metrics()["grad_accum/piece_size"] > 0
