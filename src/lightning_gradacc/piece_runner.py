@@ -31,8 +31,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .batch_pieces import SplitFn, batch_length, pieces_of
-from .core.torch_internals import reset_scaler_optimizer_states
+from .batch_pieces import SplitFn, batch_length, pieces_of, split_batch
+from .core.torch_internals import reset_scaler_optimizer_states, skip_ddp_buffer_sync_at_next_forward
 
 PieceSize = int | Literal["auto"] | None
 
@@ -116,6 +116,7 @@ class PieceRunner:
         self._allocator_retries: Callable[[], int | None] = _cuda_allocator_retries
         self._world_size = 1
         self._last_largest = 0
+        self._checked = False  # "auto": the first batch was checked to be splittable
 
     @property
     def auto(self) -> bool:
@@ -143,6 +144,7 @@ class PieceRunner:
         self._length = length
         self._count = count if count is not None else length
         self._world_size = trainer.world_size
+        self._checked = False
         self.counters.allocator_retries = self._allocator_retries() or 0
 
     def uninstall(self) -> None:
@@ -195,8 +197,11 @@ class PieceRunner:
         if whole and not self.auto:  # nothing to cut: Lightning's own path
             self._run, self._last_largest = None, self._length(run.batch)
             return self._step(*args, **kwargs)
-        run.pieces = [run.batch] if whole else pieces_of(run.batch, size, self.split_fn)  # type: ignore[arg-type]
-        run.shares.clear()
+        if whole and not self._checked:  # "auto": a batch it could not cut is refused before any error
+            self._checked = True
+            if self.split_fn is None:
+                split_batch(run.batch, self._length(run.batch))
+        self._set_pieces(run, [run.batch] if whole else pieces_of(run.batch, size, self.split_fn))  # type: ignore[arg-type]
         while True:
             piece = run.pieces[0]
             try:
@@ -207,10 +212,14 @@ class PieceRunner:
                     raise
                 message = str(error)
             else:
+                if output is None and len(run.pieces) == 1 and piece is run.batch:
+                    self._run = None  # a skipped batch ("auto", whole): Lightning's path, nothing to weigh
+                    return output
                 loss = self._piece_loss(output, piece, run)
                 run.first_loss = loss
                 stand_in = loss.detach().requires_grad_() * 1.0  # the value, no graph: Lightning holds it
-                return _with_loss(output, stand_in)
+                return _stand_in_output(output, stand_in)
+            self._forward_failed()
             self._recover(run, piece, message, backward=False)
 
     def _plugin_backward(self, tensor: Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
@@ -245,6 +254,7 @@ class PieceRunner:
                 continue
             loss = None  # the failed pass's graph goes with it
             if stage == "forward":  # no gradient was added: go on from this piece, smaller
+                self._forward_failed()
                 self._recover(run, piece, message, backward=False)
             else:
                 self._restart(run, piece, message, snapshot, synced=synced)
@@ -270,9 +280,10 @@ class PieceRunner:
         self.counters.size = max(1, length // 2)
         self.counters.oom_retries += 1
         self._free()
+        # the allocator retried before it raised: that is this error, not thrashing to halve for again
+        self.counters.allocator_retries = self._allocator_retries() or 0
         size = self.counters.size
-        run.pieces = [part for old in run.pieces for part in pieces_of(old, size, self.split_fn)]
-        run.shares.clear()  # new pieces (an id may be a freed one's)
+        self._set_pieces(run, [part for old in run.pieces for part in pieces_of(old, size, self.split_fn)])
         run.loss_sum = None if backward else run.loss_sum
 
     def _restart(
@@ -303,8 +314,21 @@ class PieceRunner:
                 param.grad = None if kept is None else kept.clone()
         accumulator.restart_micro_batch()
         self._recover(run, piece, message, backward=True)
-        run.pieces = pieces_of(run.batch, self.counters.size, self.split_fn)  # type: ignore[arg-type]
-        run.shares.clear()
+        self._set_pieces(run, pieces_of(run.batch, self.counters.size, self.split_fn))  # type: ignore[arg-type]
+
+    def _set_pieces(self, run: _Run, pieces: list[Any]) -> None:
+        """The pieces still to run, less those without items (counted on the host: a forward skipped)."""
+        run.shares.clear()  # new pieces (an id may be a freed one's)
+        run.pieces = pieces
+        if len(pieces) > 1:
+            kept = [p for p in pieces if not (isinstance(s := self._share(p, run), float) and s == 0.0)]
+            run.pieces = kept or pieces[:1]  # a batch without items runs as one piece, as it would whole
+
+    def _forward_failed(self) -> None:
+        """DDP broadcast its buffers at the start of the failed forward: the next must not do it again."""
+        model = getattr(self._installed[0], "model", None)  # type: ignore[index]
+        if self._world_size > 1 and model is not None:
+            skip_ddp_buffer_sync_at_next_forward(model)
 
     def _free(self) -> None:
         """What an out-of-memory error leaves: the scaler's per-optimizer state, the outputs, the cache."""
@@ -331,7 +355,10 @@ class PieceRunner:
                 f" for every piece; it returned {type(output).__name__}."
             )
         share = self._share(piece, run)
-        weighted = loss if isinstance(share, float) and share == 1.0 else loss * share
+        if isinstance(share, Tensor):  # a piece without items: its mean is 0/0, its part nothing
+            weighted = torch.where(share > 0, loss * share, torch.zeros_like(loss))
+        else:
+            weighted = loss if share == 1.0 else loss * share
         value = weighted.detach()
         run.loss_sum = value if run.loss_sum is None else run.loss_sum + value
         return weighted
@@ -385,10 +412,22 @@ class PieceRunner:
             )
 
 
-def _with_loss(output: Any, loss: Tensor) -> Any:
+def _stand_in_output(output: Any, loss: Tensor) -> Any:
+    """What Lightning keeps of the first piece: the stand-in loss, the other values without their graph."""
     if isinstance(output, Mapping):
-        return {**output, "loss": loss}
+        return {**_detached(dict(output)), "loss": loss}
     return loss
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with every tensor in its mappings, lists and tuples detached (the structure kept)."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, Mapping):
+        return {key: _detached(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(item) for item in value) if type(value) in (list, tuple) else value
+    return value
 
 
 def _unique(params: list[Tensor]) -> list[Tensor]:

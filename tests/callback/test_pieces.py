@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
@@ -58,6 +59,7 @@ class OomModule(h.RegressionModule):
         self.forward_cap, self.backward_cap, self.ranks = forward_cap, backward_cap, ranks
         self.forwards: list[int] = []  # the items of every forward that ran to its end
         self.ooms = 0  # out-of-memory errors raised
+        self.register_buffer("running", torch.zeros(()))  # DDP broadcasts it at a forward after a sync
 
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
         x, y = batch
@@ -233,6 +235,80 @@ def test_16_mixed_pieces_with_a_backward_oom_match_the_big_batch_under_the_same_
     assert callback.stats.skipped_steps == 0
 
 
+def masked_mean_loss(net: nn.Module, inputs: Tensor, labels: Tensor) -> Tensor:
+    """The token mean written by hand (as many training loops do): 0/0 for a piece without tokens."""
+    logits = net(inputs).reshape(-1, h.VOCAB)
+    mask = labels.reshape(-1) != h.IGNORE_INDEX
+    losses = nn.functional.cross_entropy(logits, labels.reshape(-1).clamp(min=0), reduction="none")
+    return (losses * mask).sum() / mask.sum()
+
+
+class MaskedMeanModule(h.TokenModule):
+    def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        return masked_mean_loss(self.net, *batch)
+
+
+@pytest.mark.parametrize("host_counts", [True, False], ids=["host-count", "device-count"])
+def test_a_piece_without_tokens_adds_nothing_and_logs_no_nan(host_counts: bool) -> None:
+    """Rows 0-1 have no real label (a prompt-only row): with pieces of 2, the first piece has no tokens."""
+    data = h.token_data()
+    data.tensors[1][:2] = h.IGNORE_INDEX
+    counter = (lambda batch: int(h.count_tokens(batch))) if host_counts else h.count_tokens
+    # a hand-written mean divides by 0 in its backward too: a host count skips that piece's passes
+    module = (MaskedMeanModule if host_counts else h.TokenModule)(data, batch_size=6)
+    callback = GradientAccumulationCallback(2, scaling="weighted", item_count_fn=counter, piece_size=2)
+    losses: list[float] = []
+    h.fit(module, callback, LossRecorder(losses))
+    expected = h.big_batch_reference(h.token_net(), data, 6, h.windows(4, 2), h.token_loss, lr=0.5)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    assert all(math.isfinite(loss) for loss in losses) and math.isfinite(callback.accumulator.window_loss)
+    assert callback.stats.skipped_steps == 0
+
+
+class LossRecorder(pl.Callback):
+    """Each batch's ``outputs["loss"]``; and whether another value of ``outputs`` kept a graph."""
+
+    def __init__(self, losses: list[float]) -> None:
+        self.losses, self.graphs = losses, 0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.graphs += sum(getattr(v, "requires_grad", False) for k, v in outputs.items() if k != "loss")
+
+
+def test_outputs_hold_the_batch_s_loss_and_values_without_a_graph() -> None:
+    data = h.regression_data(40)
+
+    class WithPredictions(OomModule):
+        def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Any:
+            x, y = batch
+            predictions = self.net(x)
+            return {"loss": nn.functional.mse_loss(predictions, y), "predictions": predictions}
+
+    module, losses, plain_losses = WithPredictions(data, batch_size=8), [], []
+    recorder = LossRecorder(losses)
+    h.fit(module, GradientAccumulationCallback(2, piece_size=3), recorder)
+    plain_recorder = LossRecorder(plain_losses)
+    h.fit(WithPredictions(data, batch_size=8), GradientAccumulationCallback(2), plain_recorder)
+    assert losses == pytest.approx(plain_losses, rel=1e-6)  # the whole batch's, not the first piece's
+    # Lightning keeps the values it is given; with pieces an error must free every graph: none is kept
+    assert recorder.graphs == 0 and plain_recorder.graphs == 5
+
+
+@pytest.mark.filterwarnings("ignore:`training_step` returned `None`:UserWarning")
+def test_a_skipped_batch_under_auto_is_skipped_as_without_pieces() -> None:
+    data = h.regression_data(40)
+
+    class Skips(OomModule):
+        def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor | None:
+            return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+    module = Skips(data, batch_size=8)
+    fit(module, GradientAccumulationCallback(2, piece_size="auto"))
+    windows = [[0], [2, 3], [4]]  # the window of batches 0-1 steps on batch 0 alone
+    assert h.max_abs_diff(module.net, reference(data, 8, windows)) < 1e-6
+
+
 def test_the_hf_style_halving_without_reweighting_fails_the_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: each piece weighted as a whole micro-batch (the size halved, K unchanged)."""
     from lightning_gradacc import piece_runner
@@ -308,8 +384,9 @@ def test_a_split_fn_cuts_a_batch_the_default_splitter_cannot() -> None:
     def split(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
         return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, len(batch["x"]), size)]
 
-    with pytest.raises(UnsplittableBatch, match="list of 8 non-tensor values"):
-        fit(Named(data), GradientAccumulationCallback(2, piece_size=3))
+    for size in (3, "auto"):  # "auto" refuses it at the first batch, before any out-of-memory error
+        with pytest.raises(UnsplittableBatch, match="list of 8 non-tensor values"):
+            fit(Named(data), GradientAccumulationCallback(2, piece_size=size))
     module = Named(data)
     callback = GradientAccumulationCallback(2, piece_size=3, split_fn=split)
     fit(module, callback)

@@ -107,6 +107,16 @@ def set_ddp_backward_sync(ddp: Any, enabled: bool) -> None:
     ddp.require_backward_grad_sync = enabled
 
 
+def skip_ddp_buffer_sync_at_next_forward(ddp: Any) -> None:
+    """Have DDP not broadcast its buffers at the next forward (a forward that failed broadcast them already).
+
+    ``DistributedDataParallel.require_forward_param_sync`` (``torch/nn/parallel/distributed.py``): set at the
+    end of a forward, read at the start of the next; a forward that raised left it as it was, so its rerun
+    would broadcast once more than the other ranks.
+    """
+    ddp.require_forward_param_sync = False
+
+
 def sync_ddp_buffers_at_next_forward(ddp: Any) -> None:
     """Have DDP broadcast its buffers at the next forward, as after a backward that synced.
 
