@@ -3,7 +3,8 @@
 DeepSpeed runs on the CPU (``DS_ACCELERATOR=cpu``), but Lightning's strategy does not let it: three shims,
 kept here and never in the package, make it start there (:func:`cpu_shims`): its CUDA guard in
 ``setup_environment`` is skipped, ``_validate_device_index_selection`` accepts CPU devices, and
-``root_device`` gets the integer index DeepSpeed's ``device_rank`` needs. The product code runs the
+``root_device`` gets the integer index DeepSpeed's ``device_rank`` needs. A fourth spares the JIT build of
+DeepSpeed's shared-memory all-reduce (gloo's does the same sums). The product code runs the
 unmodified strategy on GPUs (``scripts/gpu_check.sh``).
 
 With ``device="cuda"`` (``scripts/gpu_check.sh``) the shims are left out: the unmodified strategy runs on
@@ -18,6 +19,7 @@ ended with.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import socket
 import traceback
@@ -41,6 +43,10 @@ def cpu_shims() -> None:
     strategy_module.DeepSpeedStrategy.root_device = property(  # type: ignore[assignment,method-assign]
         lambda self: torch.device("cpu", 0)
     )
+    # DeepSpeed's shared-memory all-reduce for CPU ranks is compiled at the first start (about 30 s on a
+    # clean machine); without it DeepSpeed's collectives go through gloo, which sums the same. The module by
+    # name: `deepspeed.comm.torch` as an attribute is the `torch` that `deepspeed.comm` imported
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 @dataclass
