@@ -450,3 +450,22 @@ def test_a_thrashing_allocator_halves_the_size_as_an_error_would() -> None:
     assert module.forwards == [8, 8, 4, 4, 4, 4, 4, 4]
     assert h.max_abs_diff(module.net, reference(data, 8, h.windows(5, 2))) < 1e-6
     assert callback.metrics()["grad_accum/oom_retries"] == 0
+
+
+def test_pieces_under_lightning_pytorch_equal_the_whole_batch() -> None:
+    data = h.regression_data(40)
+    module = h.LitRegressionModule(data, batch_size=8)
+    callback = h.accumulation_callback("lightning.pytorch", 2, piece_size="auto")
+    forwards: list[int] = []
+    net_forward = module.net.forward
+    module.net.forward = lambda x: (forwards.append(len(x)), net_forward(x))[1]  # type: ignore[method-assign]
+
+    def capped(batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        if batch_idx >= 1 and len(batch[0]) > 5:
+            raise torch.OutOfMemoryError(f"{OOM} in a forward")
+        return h.LitRegressionModule.training_step(module, batch, batch_idx)
+
+    module.training_step = capped  # type: ignore[method-assign]
+    h.trainer("lightning.pytorch", callbacks=[callback]).fit(module)
+    assert forwards == [8, 4, 4, 4, 4, 4, 4, 4, 4]
+    assert h.max_abs_diff(module.net, reference(data, 8, h.windows(5, 2))) < 1e-6
