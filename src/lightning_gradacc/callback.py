@@ -476,6 +476,7 @@ class GradientAccumulationLogic(_LogicBase):
             error=current.error,
             in_place=True,
             share=1.0 if pieces is not None and pieces.in_pieces else None,  # the runner weighs the pieces
+            hold_in_grad=pieces is not None and pieces.auto,  # "auto" may drop them after an error
         )
         self._sync.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
 

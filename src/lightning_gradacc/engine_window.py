@@ -172,6 +172,7 @@ class EngineWindow:
         error: str | None = None,
         in_place: bool = False,
         share: float | None = None,
+        hold_in_grad: bool = False,
     ) -> Tensor:
         """Weigh ``loss`` (in place or not) so that the engine's sum is the window's big-batch gradient.
 

@@ -23,6 +23,22 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------------------------- loops
 
 
+@contextlib.contextmanager
+def as_training_step(trainer: pl.Trainer) -> Iterator[None]:
+    """Run a ``training_step`` called from elsewhere (a piece's, inside the backward) as Lightning's own.
+
+    ``LightningModule._current_fx_name``, which ``trainer/call.py``'s ``_call_strategy_hook`` sets around
+    the strategy's ``training_step`` and restores: ``self.log`` files its values under that hook's name.
+    """
+    module = trainer.lightning_module
+    previous = module._current_fx_name
+    module._current_fx_name = "training_step"
+    try:
+        yield
+    finally:
+        module._current_fx_name = previous
+
+
 def should_accumulate(trainer: pl.Trainer) -> bool:
     """Whether the current micro-batch does not end a window: Lightning's own test.
 

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .batch_pieces import SplitFn, batch_length, pieces_of, split_batch
 from .core.torch_internals import reset_scaler_optimizer_states, skip_ddp_buffer_sync_at_next_forward
+from .lightning_internals import as_training_step
 
 PieceSize = int | Literal["auto"] | None
 
@@ -238,7 +239,7 @@ class PieceRunner:
             try:
                 loss, run.first_loss = run.first_loss, None
                 if loss is None:  # a later piece (the first one's forward ran in `training_step`)
-                    with nullcontext() if last_piece else self._no_sync():
+                    with nullcontext() if last_piece else self._no_sync(), as_training_step(self._trainer):
                         loss = self._piece_loss(self._step(piece, *run.rest, **run.kwargs), piece, run)
                 assert loss is not None
                 stage, synced = "backward", last_piece and self._syncs()
@@ -298,12 +299,20 @@ class PieceRunner:
                 f" `piece_size` below {self._length(piece)} for this run. The error: {message}"
             )
         if snapshot is None and not accumulator.pending_alone_in_grad:
+            buffered = accumulator.window.buffered
+            where = (
+                "written into `.grad` before the window's last batch under DDP" if buffered else "in `.grad`"
+            )
+            fixes = (
+                ""
+                if buffered
+                else "accumulate in buffers (`accumulation_dtype='float32'` for bf16 weights), "
+            )
             raise RuntimeError(
                 "Out of memory in a backward, which may have added part of a gradient to the window's earlier"
-                " micro-batches in `.grad`: the batch cannot run again exactly. Accumulate in buffers"
-                " (`accumulation_dtype='float32'`), or keep a snapshot of the gradients"
-                " (`oom_snapshot=True`: one gradient of memory), or set an int `piece_size` below"
-                f" {self._length(piece)}. The error: {message}"
+                f" micro-batches, {where}: the batch cannot run again exactly. To redo it, {fixes}keep a"
+                " snapshot of the gradients (`oom_snapshot=True`: one gradient of memory), or set an int"
+                f" `piece_size` below {self._length(piece)}. The error: {message}"
             )
         params = [p for group in self._trainer.optimizers for g in group.param_groups for p in g["params"]]
         if snapshot is None:
@@ -313,6 +322,7 @@ class PieceRunner:
             for param, kept in zip(_unique(params), snapshot, strict=True):
                 param.grad = None if kept is None else kept.clone()
         accumulator.restart_micro_batch()
+        run.largest = 0  # the batch's pieces start over
         self._recover(run, piece, message, backward=True)
         self._set_pieces(run, pieces_of(run.batch, self.counters.size, self.split_fn))  # type: ignore[arg-type]
 

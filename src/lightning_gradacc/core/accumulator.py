@@ -348,6 +348,7 @@ class GradAccumulator:
         in_place: bool = False,
         amp_scaled: bool = True,
         share: float | Tensor | None = None,
+        hold_in_grad: bool = False,
     ) -> Tensor:
         """Start one micro-batch: weigh its loss and get the window ready for its backward.
 
@@ -368,8 +369,10 @@ class GradAccumulator:
             amp_scaled: ``False``: the ``grad_scaler`` scales ``loss`` in its backward (``fabric.backward``).
             share: The micro-batch runs in pieces, each with its own backward, and ``loss`` is the first's
                 (its mean loss times ``share``, its part of the items); :meth:`next_piece` weighs the
-                others. The gradients then stay in ``.grad`` until :meth:`end_micro_batch` (so that
-                :meth:`restart_micro_batch` can drop them); the noise scale measures each piece alone.
+                others; the noise scale measures each piece alone.
+            hold_in_grad: With ``share``: the pieces' gradients stay in ``.grad`` until
+                :meth:`end_micro_batch` (buffers take their sum then), so that after an error the caller can
+                drop them and :meth:`restart_micro_batch`; else buffers take each piece's in its backward.
 
         Returns:
             The weighted loss to back-propagate (``loss`` itself with ``in_place``).
@@ -390,7 +393,7 @@ class GradAccumulator:
         self._pending = _MicroBatch(count, recorded, last, share)
         if last and self._flushes_before_last_backward:
             self.flush_to_grad()  # and the hooks stay off: DDP reads this backward's `.grad`
-        if share is not None:
+        if share is not None and hold_in_grad:
             self._arm_hooks(False)  # the pieces add up in `.grad`: `record` moves their sum
         return to_backward
 
