@@ -137,10 +137,11 @@ class GradientAccumulationLogic(_LogicBase):
             (:mod:`~lightning_gradacc.piece_runner`); ``None``: batches run whole. One device or DDP.
         split_fn: ``(batch, size) -> list of pieces`` for a batch the default splitter (tensors, mappings,
             lists, tuples, cut on their first dimension) cannot cut.
-        oom_snapshot: With ``piece_size="auto"``: copy the gradients before each batch (one gradient of
-            memory), so that an out-of-memory error in any backward can redo the batch; without it a
-            backward's error is redone where ``.grad`` holds that batch alone (it opens its window, or the
-            window is in fp32 buffers), else raised.
+        oom_snapshot: With ``piece_size="auto"``: copy the gradients before each batch whose window's
+            earlier gradients are in ``.grad`` (one gradient of memory), so that an out-of-memory error in a
+            backward can redo the batch (not DDP's all-reducing one); without it a backward's error is redone
+            where ``.grad`` holds that batch alone (it opens its window, or the window is in buffers), else
+            raised.
         Math settings: (each field of ``AccumulationSettings``, documented there once, listed here)
 
     Attributes:
