@@ -4,7 +4,9 @@ The default splitter walks tensors, mappings (``dict``, Hugging Face's ``BatchEn
 (named ones too): every tensor with a first dimension is cut into views, a 0-d tensor or a non-tensor
 leaf (a string, a number, ``None``) goes to every piece. What it cannot cut safely it refuses, naming the
 type, so that a user ``split_fn(batch, size) -> list`` takes over: tensors that disagree on their first
-dimension, a list of as many non-tensors as there are items (per item, or not?), or no tensor at all.
+dimension, a list of as many non-tensors as there are items (per item, or not?), tensors inside anything
+else the batch walk of :func:`~lightning_gradacc.counters.tensors` goes through (a dataclass, another
+sequence), which it could not rebuild, or no tensor at all.
 """
 
 from __future__ import annotations
@@ -13,6 +15,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
+
+from .counters import tensors
+
+# what every refusal of the default splitter ends with
+_USE_SPLIT_FN = (
+    "pass `split_fn=` (a function `(batch, size) -> list of pieces`) to `GradientAccumulationCallback`"
+)
 
 # ``split_fn(batch, size)``: the batch as pieces of at most ``size`` items each, in order.
 SplitFn = Callable[[Any, int], Sequence[Any]]
@@ -30,19 +39,16 @@ def batch_length(batch: Any) -> int:
         >>> batch_length({"input_ids": torch.zeros(6, 3), "labels": torch.zeros(6, 3), "step": 1})
         6
     """
-    lengths = {tensor.shape[0] for tensor in _tensors(batch) if tensor.dim() > 0}
+    lengths = {tensor.shape[0] for tensor in tensors(batch) if tensor.dim() > 0}
     if not lengths:
         raise UnsplittableBatch(
             f"A batch of type {type(batch).__name__} has no tensor with a first dimension to cut into pieces:"
-            " pass `split_fn=` (a function `(batch, size) -> list of pieces`) to"
-            " `GradientAccumulationCallback`."
+            f" {_USE_SPLIT_FN}."
         )
     if len(lengths) > 1:
         raise UnsplittableBatch(
             f"The tensors of a batch of type {type(batch).__name__} disagree on their first dimension"
-            f" ({sorted(lengths)}), so it is not clear which one counts the items: pass `split_fn=` (a"
-            " function"
-            " `(batch, size) -> list of pieces`) to `GradientAccumulationCallback`."
+            f" ({sorted(lengths)}), so it is not clear which one counts the items: {_USE_SPLIT_FN}."
         )
     return lengths.pop()
 
@@ -85,13 +91,17 @@ def _cut(value: Any, start: int, stop: int, length: int) -> Any:
         if value and length > 1 and len(value) == length and not any(_holds_tensor(v) for v in value):
             raise UnsplittableBatch(
                 f"A batch holds a {type(value).__name__} of {len(value)} non-tensor values, as many as its"
-                " items: the default splitter cannot tell whether they are per item. Pass `split_fn=` (a"
-                " function `(batch, size) -> list of pieces`) to `GradientAccumulationCallback`."
+                f" items: the default splitter cannot tell whether they are per item; {_USE_SPLIT_FN}."
             )
         cut = [_cut(item, start, stop, length) for item in value]
         if isinstance(value, tuple) and type(value) is not tuple:  # a named tuple: fields as arguments
             return type(value)(*cut)
         return type(value)(cut)
+    if _holds_tensor(value):  # counted by the walk, but not rebuilt here: its tensors would go whole
+        raise UnsplittableBatch(
+            f"A batch holds tensors inside a {type(value).__name__}, which the default splitter cannot"
+            f" rebuild; {_USE_SPLIT_FN}."
+        )
     return value
 
 
@@ -104,18 +114,8 @@ def _rebuild_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
         return items
 
 
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [tensor for item in value.values() for tensor in _tensors(item)]
-    if isinstance(value, (list, tuple)):
-        return [tensor for item in value for tensor in _tensors(item)]
-    return []
-
-
 def _holds_tensor(value: Any) -> bool:
-    return bool(_tensors(value))
+    return next(tensors(value), None) is not None
 
 
 def check_split_fn(split_fn: Any) -> SplitFn | None:
@@ -123,8 +123,7 @@ def check_split_fn(split_fn: Any) -> SplitFn | None:
     if split_fn is not None and not callable(split_fn):
         raise TypeError(
             "Expected argument `split_fn` to be a function `(batch, size) -> list of pieces` or None, but"
-            " got"
-            f" {split_fn!r}."
+            f" got {split_fn!r}."
         )
     return split_fn  # type: ignore[no-any-return]
 

@@ -8,6 +8,7 @@ taking one step per window over the window's items as one batch.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from collections.abc import Callable, Sequence
@@ -337,12 +338,20 @@ def test_the_default_splitter_cuts_tensors_mappings_and_sequences_on_their_first
     assert pieces[2]["pair"][0].shape == (1, 2) and pieces[1]["tag"] == "t" and pieces[0]["n"] == 3
 
 
+@dataclasses.dataclass
+class Extra:
+    """A dataclass the batch walk finds tensors in, which the default splitter cannot rebuild."""
+
+    mask: Tensor
+
+
 @pytest.mark.parametrize(
     ("batch", "match"),
     [
         ({"ids": ["a", "b", "c"], "x": torch.zeros(3)}, "list of 3 non-tensor values"),
         ((torch.zeros(3), torch.zeros(4)), r"disagree on their first dimension \(\[3, 4\]\)"),
         ("text", "type str has no tensor"),
+        ({"x": torch.zeros(3), "extra": Extra(torch.zeros(3))}, "tensors inside a Extra, which"),
     ],
 )
 def test_a_batch_the_default_splitter_cannot_cut_is_refused_by_type(batch: Any, match: str) -> None:
