@@ -32,8 +32,12 @@ import torch
 from torch import Tensor
 
 from .batch_pieces import SplitFn, batch_length, pieces_of, split_batch
-from .core.torch_internals import reset_scaler_optimizer_states, skip_ddp_buffer_sync_at_next_forward
-from .lightning_internals import as_training_step
+from .core.torch_internals import (
+    ddp_backward_syncs,
+    reset_scaler_optimizer_states,
+    skip_ddp_buffer_sync_at_next_forward,
+)
+from .lightning_internals import as_training_step, grad_scaler
 
 PieceSize = int | Literal["auto"] | None
 
@@ -140,6 +144,7 @@ class PieceRunner:
         self._step, self._backward = strategy.training_step, plugin.backward
         strategy.training_step, plugin.backward = self._training_step, self._plugin_backward
         self._installed = (strategy, plugin)
+        self._scaler = grad_scaler(trainer)
         self._trainer = trainer
         self._accumulator = accumulator
         self._length = length
@@ -194,9 +199,10 @@ class PieceRunner:
             return self._step(*args, **kwargs)
         run.rest, run.kwargs, run.loss_sum = args[1:], kwargs, None
         size = self.counters.size
-        whole = size is None or self._length(run.batch) <= size
+        # an int size: the batch's length is read once, here
+        whole = size is None or (length := self._length(run.batch)) <= size
         if whole and not self.auto:  # nothing to cut: Lightning's own path
-            self._run, self._last_largest = None, self._length(run.batch)
+            self._run, self._last_largest = None, length
             return self._step(*args, **kwargs)
         if whole and not self._checked:  # "auto": a batch it could not cut is refused before any error
             self._checked = True
@@ -263,9 +269,8 @@ class PieceRunner:
     def _weighed(self, loss: Tensor, piece: Any, run: _Run) -> Tensor:
         """``loss`` (a piece's, times its share) as Lightning back-propagates: / K, AMP-scaled, weighed."""
         scaled = loss / self._trainer.accumulate_grad_batches
-        scaler = getattr(self._installed[1], "scaler", None)  # type: ignore[index]
-        if scaler is not None:
-            scaled = scaler.scale(scaled)
+        if self._scaler is not None:
+            scaled = self._scaler.scale(scaled)
         return self._accumulator.next_piece(scaled, self._share(piece, run))  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------------------------- recovery
@@ -314,12 +319,12 @@ class PieceRunner:
                 " snapshot of the gradients (`oom_snapshot=True`: one gradient of memory), or set an int"
                 f" `piece_size` below {self._length(piece)}. The error: {message}"
             )
-        params = [p for group in self._trainer.optimizers for g in group.param_groups for p in g["params"]]
+        params = accumulator.parameters  # the optimizers' parameters, each once
         if snapshot is None:
             for param in params:
                 param.grad = None
         else:
-            for param, kept in zip(_unique(params), snapshot, strict=True):
+            for param, kept in zip(params, snapshot, strict=True):
                 param.grad = None if kept is None else kept.clone()
         accumulator.restart_micro_batch()
         run.largest = 0  # the batch's pieces start over
@@ -342,9 +347,8 @@ class PieceRunner:
 
     def _free(self) -> None:
         """What an out-of-memory error leaves: the scaler's per-optimizer state, the outputs, the cache."""
-        scaler = getattr(self._installed[1], "scaler", None)  # type: ignore[index]
-        if scaler is not None:
-            reset_scaler_optimizer_states(scaler)
+        if self._scaler is not None:
+            reset_scaler_optimizer_states(self._scaler)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -352,8 +356,7 @@ class PieceRunner:
     def _take_snapshot(self) -> list[Tensor | None] | None:
         if self._accumulator.pending_alone_in_grad:
             return None  # nothing to lose: no copy
-        params = [p for group in self._trainer.optimizers for g in group.param_groups for p in g["params"]]
-        return [None if p.grad is None else p.grad.detach().clone() for p in _unique(params)]
+        return [None if p.grad is None else p.grad.detach().clone() for p in self._accumulator.parameters]
 
     # -------------------------------------------------------------------------------------- helpers
 
@@ -382,7 +385,7 @@ class PieceRunner:
 
     def _count_share(self, piece: Any, run: _Run) -> float | Tensor:
         total = run.items if run.items is not None else self._count(run.batch)
-        part = self._count(piece) if len(run.pieces) > 1 or piece is not run.batch else total
+        part = total if piece is run.batch else self._count(piece)
         if isinstance(total, Tensor) or isinstance(part, Tensor):
             total_t = torch.as_tensor(total)
             part_t = torch.as_tensor(part).to(total_t.device)
@@ -398,7 +401,7 @@ class PieceRunner:
     def _syncs(self) -> bool:
         """Whether the coming backward all-reduces over DDP ranks (its forward ran with sync on)."""
         model = getattr(self._installed[0], "model", None)  # type: ignore[index]
-        return self._world_size > 1 and bool(getattr(model, "require_backward_grad_sync", False))
+        return self._world_size > 1 and ddp_backward_syncs(model)
 
     def _agreed_size(self, size: int | None) -> int | None:
         """The smallest size over the ranks (one scalar all-reduce); None where every rank runs whole."""
@@ -438,11 +441,6 @@ def _detached(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_detached(item) for item in value) if type(value) in (list, tuple) else value
     return value
-
-
-def _unique(params: list[Tensor]) -> list[Tensor]:
-    seen: set[int] = set()
-    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
 
 
 def _cuda_allocator_retries() -> int | None:

@@ -107,6 +107,11 @@ def set_ddp_backward_sync(ddp: Any, enabled: bool) -> None:
     ddp.require_backward_grad_sync = enabled
 
 
+def ddp_backward_syncs(ddp: Any) -> bool:
+    """Whether DDP's next backward all-reduces (the flag of :func:`set_ddp_backward_sync`, ``no_sync``)."""
+    return bool(getattr(ddp, "require_backward_grad_sync", False))
+
+
 def skip_ddp_buffer_sync_at_next_forward(ddp: Any) -> None:
     """Have DDP not broadcast its buffers at the next forward (a forward that failed broadcast them already).
 
