@@ -281,23 +281,15 @@ class NoiseScale:
         host = self._host
         host["micro_batches"] += 1.0
         host["inverse_items"] += 1.0 / count
-        if not measured or factor == 0:
-            return
-        squared = torch.stack(parts).to(self.dtype).square().sum()
-        self._small.append(squared * (count / (factor * factor)))
-        host["measured_items"] += count
-        host["measured"] += 1.0
+        if measured:
+            self._measure(parts, count, factor)
 
     def _record_tensors(self, parts: list[Tensor], count: Scalar, factor: Scalar) -> None:
         """:meth:`record` for a count or scale that is a device tensor: every term stays on the device."""
-        full = self._full
-        count_t = count.to(self.device, self.dtype).reshape(()) if isinstance(count, Tensor) else full(count)
-        factor_t = (
-            factor.to(self.device, self.dtype).reshape(()) if isinstance(factor, Tensor) else full(factor)
-        )
+        count_t, factor_t = self._on_device(count), self._on_device(factor)
         has_items = count_t > 0
         safe_count = torch.where(has_items, count_t, 1.0)
-        zero = full(0.0)
+        zero = self._full(0.0)
         # a micro-batch without items: nothing under "weighted", an unusable window otherwise
         unusable = zero if self.weighted else (~has_items).to(self.dtype)
         row = {
@@ -309,39 +301,40 @@ class NoiseScale:
             "unusable": unusable,
         }
         if parts:
-            ok = has_items & (factor_t != 0)
-            squared = torch.stack(parts).to(self.dtype).square().sum()
-            unscaled = squared / torch.where(ok, factor_t, 1.0).square()
-            row["measured_small"] = torch.where(ok, safe_count * unscaled, zero)
-            row["measured_items"] = torch.where(ok, count_t, zero)
-            row["measured"] = ok.to(self.dtype)
+            row.update(self._measured_columns(parts, count_t, factor_t))
         self._rows.append(torch.stack([row[name] for name in TOTALS]))
 
     def _measure(self, parts: list[Tensor], count: Scalar, factor: Scalar) -> None:
-        """Add one measured piece to S's sums alone (its micro-batch is counted by :meth:`record`)."""
-        squared = torch.stack(parts).to(self.dtype).square().sum()
+        """Add one measurement (a micro-batch's norms, or a piece's) to S's sums; :meth:`record` counts it."""
         if isinstance(count, Tensor) or isinstance(factor, Tensor):
-            full = self._full
-            count_t = (
-                count.to(self.device, self.dtype).reshape(()) if isinstance(count, Tensor) else full(count)
-            )
-            factor_t = (
-                factor.to(self.device, self.dtype).reshape(()) if isinstance(factor, Tensor) else full(factor)
-            )
-            ok = (count_t > 0) & (factor_t != 0)
-            zero = full(0.0)
-            row = dict.fromkeys(TOTALS, zero)
-            unscaled = squared / torch.where(ok, factor_t, 1.0).square()
-            row["measured_small"] = torch.where(ok, count_t * unscaled, zero)
-            row["measured_items"] = torch.where(ok, count_t, zero)
-            row["measured"] = ok.to(self.dtype)
+            row = dict.fromkeys(TOTALS, self._full(0.0))
+            row.update(self._measured_columns(parts, self._on_device(count), self._on_device(factor)))
             self._rows.append(torch.stack([row[name] for name in TOTALS]))
             return
         if count <= 0 or factor == 0:
             return
+        squared = torch.stack(parts).to(self.dtype).square().sum()
         self._small.append(squared * (count / (factor * factor)))
         self._host["measured_items"] += count
         self._host["measured"] += 1.0
+
+    def _measured_columns(self, parts: list[Tensor], count: Tensor, factor: Tensor) -> dict[str, Tensor]:
+        """S's three columns for one measurement with device numbers (zeros without items or a factor)."""
+        ok = (count > 0) & (factor != 0)
+        zero = self._full(0.0)
+        squared = torch.stack(parts).to(self.dtype).square().sum()
+        unscaled = squared / torch.where(ok, factor, 1.0).square()
+        return {
+            "measured_small": torch.where(ok, count * unscaled, zero),
+            "measured_items": torch.where(ok, count, zero),
+            "measured": ok.to(self.dtype),
+        }
+
+    def _on_device(self, value: Scalar) -> Tensor:
+        """A host number or a device scalar, as a scalar of this estimator's device and dtype."""
+        if isinstance(value, Tensor):
+            return value.to(self.device, self.dtype).reshape(())
+        return self._full(value)
 
     def _full(self, value: float) -> Tensor:
         return torch.full((), float(value), dtype=self.dtype, device=self.device)  # a fill: no copy, no sync
