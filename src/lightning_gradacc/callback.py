@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from . import compatibility as compat
 from . import lightning_internals as internals
-from .batch_pieces import SplitFn, batch_length, check_split_fn, items_or
+from .batch_pieces import SplitFn, check_split_fn
 from .core import AccumulationStats, GradAccumulator
 from .core.settings import SETTINGS, AccumulationSettings, with_setting_docs
 from .core.torch_internals import disarm
@@ -345,12 +345,8 @@ class GradientAccumulationLogic(_LogicBase):
         self._verify("reduction", trainer, pl_module)
         self._build_accumulator(trainer, pl_module)
         if self._pieces is not None:
-            custom = self.split_fn is not None
             self._pieces.install(
-                trainer,
-                self._accumulator,
-                count=self.item_count_fn,
-                length=items_or(self._api.extract_batch_size) if custom else batch_length,
+                trainer, self._accumulator, count=self.item_count_fn, extract=self._api.extract_batch_size
             )
         self._monitored = monitors_statistics(trainer.callbacks)  # type: ignore[attr-defined]
         self._verify("train_start", trainer, pl_module)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .batch_pieces import SplitFn, batch_length, pieces_of, split_batch
+from .batch_pieces import SplitFn, batch_length, items_or, pieces_of, split_batch
 from .core.torch_internals import (
     ddp_backward_syncs,
     reset_scaler_optimizer_states,
@@ -136,9 +136,13 @@ class PieceRunner:
         accumulator: Any,
         *,
         count: Callable[[Any], Any] | None,
-        length: Callable[[Any], int],
+        extract: Callable[[Any], int],
     ) -> None:
-        """Stand in for the strategy's ``training_step`` and the plugin's ``backward`` for this fit."""
+        """Stand in for the strategy's ``training_step`` and the plugin's ``backward`` for this fit.
+
+        ``count``: the item counter (else a piece's length); ``extract``: Lightning's batch-size inference,
+        for the length of a ``split_fn``'s piece the default walk cannot read.
+        """
         self.uninstall()
         strategy, plugin = trainer.strategy, trainer.strategy.precision_plugin
         self._step, self._backward = strategy.training_step, plugin.backward
@@ -147,8 +151,8 @@ class PieceRunner:
         self._scaler = grad_scaler(trainer)
         self._trainer = trainer
         self._accumulator = accumulator
-        self._length = length
-        self._count = count if count is not None else length
+        self._length = batch_length if self.split_fn is None else items_or(extract)
+        self._count = count if count is not None else self._length
         self._world_size = trainer.world_size
         self._checked = False
         self.counters.allocator_retries = self._allocator_retries() or 0
