@@ -521,3 +521,56 @@ def test_what_training_step_logs_in_every_piece_is_its_own() -> None:
     whole = fit(Logs(data, batch_size=8), GradientAccumulationCallback(2))
     assert set(pieces.callback_metrics) >= {"l"} and "backward.l" not in str(pieces.logged_metrics)
     assert float(pieces.callback_metrics["l"]) == pytest.approx(float(whole.callback_metrics["l"]), rel=1e-5)
+
+
+def test_a_resume_right_after_a_k_change_with_auto_pieces_steps_the_schedule_s_windows(
+    tmp_path: Path,
+) -> None:
+    """K goes 2 -> 3 at step 2 (the window of batches 4-6); preempted after batch 5, inside it, resumed."""
+    data, schedule = h.regression_data(40), {0: 2, 2: 3}
+
+    def run() -> tuple[OomModule, Any]:
+        module = OomModule(data, forward_cap=lambda b: 3, resumable=True)
+        return module, GradientAccumulationCallback(schedule, schedule_unit="steps", piece_size="auto")
+
+    path = tmp_path / "after_k_change.ckpt"
+    module, callback = run()
+    h.preempt(module, [callback], 5, path)
+    resumed, callback = run()
+    h.trainer(callbacks=[callback], max_epochs=2).fit(resumed, ckpt_path=path)
+    windows = [window for window, _ in h.keyed_windows(schedule, 10, epochs=2)]
+    assert h.max_abs_diff(resumed.net, reference(data, 4, windows)) < 1e-6
+    assert resumed.ooms == 0
+
+
+def test_a_fit_after_one_interrupted_inside_a_window_goes_on_at_the_size_reached() -> None:
+    data = h.regression_data(40)
+    callback = GradientAccumulationCallback(2, piece_size="auto")
+    interrupted = OomModule(data, batch_size=8, forward_cap=lambda b: 5)
+    with pytest.raises(RuntimeError, match="boom"):  # after batch 2, the first of its window
+        h.fit(interrupted, callback, h.RaiseAfter(2, RuntimeError("boom")))
+    module = OomModule(data, batch_size=8, forward_cap=lambda b: 5)
+    fit(module, callback)
+    assert h.max_abs_diff(module.net, reference(data, 8, h.windows(5, 2))) < 1e-6
+    assert module.ooms == 0 and set(module.forwards) == {4}
+
+
+def test_pieces_with_lightning_s_swa_checkpointing_and_early_stopping_equal_whole_batches(
+    tmp_path: Path,
+) -> None:
+    """The same run with and without pieces (the whole-batch run is the oracle-tested one): SWA from epoch 1,
+    a checkpoint every 2 steps and EarlyStopping on the window loss, 3 epochs."""
+    from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint, StochasticWeightAveraging
+
+    def run(piece_size: int | None, name: str) -> OomModule:
+        module = OomModule(h.regression_data(40), batch_size=8)
+        callbacks = [
+            GradientAccumulationCallback(2, piece_size=piece_size),
+            StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1),
+            ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=2, save_top_k=-1),
+            EarlyStopping(monitor="grad_accum/window_loss", patience=100, check_on_train_epoch_end=True),
+        ]
+        h.trainer(callbacks=callbacks, max_epochs=3, enable_checkpointing=True).fit(module)
+        return module
+
+    assert h.max_abs_diff(run(3, "pieces").net, run(None, "whole").net) < 1e-6
