@@ -1,14 +1,12 @@
 """Lightning's ``DeepSpeedStrategy`` on CPU processes (gloo), for the DeepSpeed oracles.
 
-DeepSpeed runs on the CPU (``DS_ACCELERATOR=cpu``), but Lightning's strategy does not let it: three shims,
-kept here and never in the package, make it start there (:func:`cpu_shims`): its CUDA guard in
-``setup_environment`` is skipped, ``_validate_device_index_selection`` accepts CPU devices, and
-``root_device`` gets the integer index DeepSpeed's ``device_rank`` needs. A fourth spares the JIT build of
-DeepSpeed's shared-memory all-reduce (gloo's does the same sums). The product code runs the
-unmodified strategy on GPUs (``scripts/gpu_check.sh``).
+DeepSpeed runs on the CPU (``DS_ACCELERATOR=cpu``) through the package's
+:class:`~lightning_gradacc.deepspeed_cpu.DeepSpeedCPUStrategy` (Lightning's strategy refuses CPUs), in either
+namespace. One shim, kept here and never in the package, spares the JIT build of DeepSpeed's shared-memory
+all-reduce (gloo's does the same sums; about 30 s on a clean machine).
 
-With ``device="cuda"`` (``scripts/gpu_check.sh``) the shims are left out: the unmodified strategy runs on
-GPUs, where DeepSpeed's fp16 works too.
+With ``device="cuda"`` (``scripts/gpu_check.sh``) the unmodified ``DeepSpeedStrategy`` runs on GPUs, where
+DeepSpeed's fp16 works too.
 
 Every fit runs in spawned processes, never in pytest's (DeepSpeed leaves its process group behind): the
 processes are started as ``torchrun`` would (``RANK``, ``WORLD_SIZE``, ...), so that Lightning's strategy
@@ -23,6 +21,7 @@ import importlib
 import os
 import socket
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,21 +30,9 @@ import torch
 import torch.multiprocessing as mp
 
 
-def cpu_shims() -> None:
-    """Let Lightning's ``DeepSpeedStrategy`` start on CPU processes (tests only: see the module)."""
-    import pytorch_lightning.strategies.deepspeed as strategy_module
-    from pytorch_lightning.strategies import DDPStrategy
-
-    strategy_module.DeepSpeedStrategy.setup_environment = (  # type: ignore[method-assign]
-        lambda self: DDPStrategy.setup_environment(self)
-    )
-    strategy_module._validate_device_index_selection = lambda devices: None  # type: ignore[assignment]
-    strategy_module.DeepSpeedStrategy.root_device = property(  # type: ignore[assignment,method-assign]
-        lambda self: torch.device("cpu", 0)
-    )
-    # DeepSpeed's shared-memory all-reduce for CPU ranks is compiled at the first start (about 30 s on a
-    # clean machine); without it DeepSpeed's collectives go through gloo, which sums the same. The module by
-    # name: `deepspeed.comm.torch` as an attribute is the `torch` that `deepspeed.comm` imported
+def skip_shm_build() -> None:
+    """DeepSpeed's collectives through gloo, without compiling its shared-memory all-reduce (tests only)."""
+    # the module by name: `deepspeed.comm.torch` as an attribute is the `torch` that `deepspeed.comm` imported
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
@@ -64,6 +51,9 @@ class Scenario:
         trainer: Further ``Trainer`` keyword arguments.
         resume_after: Save a checkpoint at the end of this global micro-batch and stop (a preemption,
             ``tests.helpers.SaveAndStop``); resume from it in a new Trainer, with a new callback, to the end.
+        namespace: ``"pytorch_lightning"`` or ``"lightning.pytorch"``.
+        stop_epoch_at: ``on_train_batch_start`` returns -1 at this batch of epoch 0 (the epoch ends there).
+        none_at: The loader yields ``None`` instead of this batch of epoch 0 (Lightning skips every hook).
     """
 
     callback: dict[str, Any] | None = None
@@ -75,16 +65,38 @@ class Scenario:
     scheduler: bool = False
     trainer: dict[str, Any] = field(default_factory=dict)
     resume_after: int | None = None
+    namespace: str = "pytorch_lightning"
+    stop_epoch_at: int | None = None
+    none_at: int | None = None
+
+
+class _NoneAt:
+    """A loader whose batch ``index`` of epoch 0 is ``None`` (sized, so that Lightning knows the epoch)."""
+
+    def __init__(self, loader: Any, index: int) -> None:
+        self.loader, self.index, self.epochs = loader, index, 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        epoch, self.epochs = self.epochs, self.epochs + 1
+        for i, batch in enumerate(self.loader):
+            yield None if epoch == 0 and i == self.index else batch
 
 
 def _fit(scenario: Scenario, world: int, tmp: str, device: str) -> dict[str, Any]:
-    import pytorch_lightning as pl
-    from pytorch_lightning.strategies import DeepSpeedStrategy
-
-    from lightning_gradacc import GradientAccumulationCallback
     from tests import helpers as h
 
-    class Module(h.RegressionModule):
+    api = h.PACKAGES[scenario.namespace]
+    if device == "cuda":
+        strategy_class = api.strategies.DeepSpeedStrategy
+    elif scenario.namespace == "pytorch_lightning":
+        from lightning_gradacc.deepspeed_cpu import DeepSpeedCPUStrategy as strategy_class
+    else:
+        from lightning_gradacc.lightning import DeepSpeedCPUStrategy as strategy_class
+
+    class Module(h.REGRESSION_MODULES[scenario.namespace]):  # type: ignore[misc]
         lrs: list[float]
 
         def configure_optimizers(self) -> Any:
@@ -95,15 +107,27 @@ def _fit(scenario: Scenario, world: int, tmp: str, device: str) -> dict[str, Any
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+            stop = scenario.stop_epoch_at is not None and (self.current_epoch, batch_idx) == (
+                0,
+                scenario.stop_epoch_at,
+            )
+            return -1 if stop else None
+
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.lrs.append(float(self.trainer.optimizers[0].param_groups[0]["lr"]))
 
-    def make_trainer() -> pl.Trainer:
-        callbacks = [] if scenario.callback is None else [GradientAccumulationCallback(**scenario.callback)]
-        return pl.Trainer(
+        def train_dataloader(self) -> Any:
+            loader = super().train_dataloader()
+            return loader if scenario.none_at is None else _NoneAt(loader, scenario.none_at)
+
+    def make_trainer() -> Any:
+        given = scenario.callback
+        callbacks = [] if given is None else [h.accumulation_callback(scenario.namespace, **given)]
+        return api.Trainer(
             accelerator="gpu" if device == "cuda" else "cpu",
             devices=world,
-            strategy=DeepSpeedStrategy(stage=scenario.stage),
+            strategy=strategy_class(stage=scenario.stage),
             accumulate_grad_batches=scenario.trainer_k,
             callbacks=callbacks,
             logger=False,
@@ -118,11 +142,15 @@ def _fit(scenario: Scenario, world: int, tmp: str, device: str) -> dict[str, Any
     resumable = scenario.resume_after is not None
     module = Module(h.regression_data(scenario.samples), lr=scenario.lr, resumable=resumable)
     checkpoint = None
+    caught = warnings.catch_warnings(record=True)
+    seen = caught.__enter__()
+    warnings.simplefilter("always")
     try:
         if scenario.resume_after is not None:
             checkpoint = os.path.join(tmp, "deepspeed.ckpt")
             first = make_trainer()
-            first.callbacks.append(h.SaveAndStop(scenario.resume_after, Path(checkpoint)))
+            save = h.SaveAndStop if scenario.namespace == "pytorch_lightning" else h.LitSaveAndStop
+            first.callbacks.append(save(scenario.resume_after, Path(checkpoint)))
             with contextlib.suppress(h.Preempted):
                 first.fit(module)
             module = Module(h.regression_data(scenario.samples), lr=scenario.lr, seed=1, resumable=True)
@@ -130,6 +158,8 @@ def _fit(scenario: Scenario, world: int, tmp: str, device: str) -> dict[str, Any
         trainer.fit(module, ckpt_path=checkpoint)
     except Exception as error:  # a refusal: its message is the result
         return {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        caught.__exit__(None, None, None)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return {
         "state": {name: p.detach().float().cpu() for name, p in module.net.named_parameters()},
@@ -137,6 +167,7 @@ def _fit(scenario: Scenario, world: int, tmp: str, device: str) -> dict[str, Any
         "engine_steps": int(trainer.model.global_steps),
         "metrics": metrics,
         "lrs": module.lrs,
+        "warnings": [str(warning.message) for warning in seen],
     }
 
 
@@ -152,7 +183,7 @@ def _worker(rank: int, world: int, port: int, scenarios: list[Scenario], out: st
     )
     if device == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"
-        cpu_shims()
+        skip_shm_build()
     else:
         os.environ.pop("DS_ACCELERATOR", None)
     results = []

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import lightning_internals as internals
+from .deepspeed_internals import forget_zero_partitions
 from .engine_window import EngineWindow
 from .reduction import WindowReduction
 
@@ -66,8 +67,12 @@ class Layout:
         plan: WindowPlan,
         sharded_reduction: str,
         warn: Callable[[str], Any],
+        chosen: frozenset[str] = frozenset(),
     ) -> None:
-        """At ``setup``, before the strategy's: refuse settings that cannot take effect, map the others."""
+        """At ``setup``, before the strategy's: refuse settings that cannot take effect, map the others.
+
+        ``chosen``: the settings the user set (a default left alone does not warn where it cannot act).
+        """
 
     def engine_window(self, trainer: pl.Trainer, settings: AccumulationSettings) -> EngineWindow:
         """The driver of an engine that accumulates itself (only where ``engine_accumulates``)."""
@@ -140,11 +145,17 @@ class _DeepSpeedEngine:
         self._engine.set_gradient_accumulation_boundary(last)
 
     def drop_gradients(self) -> None:
+        """Forget an abandoned window, between two micro-batches: what its next window must not add to.
+
+        ``zero_grad`` clears ``.grad`` (and ZeRO-1's ``grad_accum``); ZeRO-2's reduced partitions are
+        forgotten too (:func:`~lightning_gradacc.deepspeed_internals.forget_zero_partitions`).
+        """
         engine = self._engine
-        if engine.zero_optimization():  # ZeRO's optimizer holds the reduced and the pending partitions
-            engine.optimizer.zero_grad(set_to_none=True)
-        else:
-            engine.zero_grad()
+        zero_grad = getattr(engine.optimizer, "zero_grad", None)
+        if zero_grad is not None:
+            zero_grad(set_to_none=True)
+        engine.zero_grad()
+        forget_zero_partitions(engine.optimizer)
 
     def skipped_steps(self) -> int:
         return int(self._engine.skipped_steps)
@@ -194,6 +205,7 @@ class DeepSpeed(Layout):
         plan: WindowPlan,
         sharded_reduction: str,
         warn: Callable[[str], Any],
+        chosen: frozenset[str] = frozenset(),
     ) -> None:
         """Refuse what the engine cannot do; put ``max_grad_norm`` into its ``gradient_clipping``."""
         if settings.mode.weighted:
@@ -254,7 +266,8 @@ class DeepSpeed(Layout):
                     f" config's `gradient_clipping={given}` sets another: set one of them."
                 )
             config["gradient_clipping"] = clip
-        if settings.overflow == "skip" and not str(trainer.precision).startswith("16"):
+        fp16 = str(trainer.precision).startswith("16")
+        if "overflow" in chosen and settings.overflow == "skip" and not fp16:
             warn(
                 "`overflow='skip'` takes effect under DeepSpeed only with fp16 (its loss scaler skips a step"
                 " whose gradients overflow): in this precision DeepSpeed steps whatever the gradients hold."

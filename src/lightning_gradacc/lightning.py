@@ -30,6 +30,7 @@ import lightning.pytorch as L  # after the check, for its message
 
 from .callback import GradientAccumulationLogic, estimated_stepping_batches
 from .core.versions import LIGHTNING_FLOOR, require
+from .deepspeed_cpu import OnCPU
 
 require("lightning", LIGHTNING_FLOOR)
 
@@ -44,4 +45,8 @@ class GradientAccumulationCallback(GradientAccumulationLogic, L.Callback):  # ty
     namespace: ClassVar[str] = LIGHTNING
 
 
-__all__ = ["GradientAccumulationCallback", "estimated_stepping_batches"]
+class DeepSpeedCPUStrategy(OnCPU, L.strategies.DeepSpeedStrategy):
+    """``lightning.pytorch``'s ``DeepSpeedStrategy`` on CPU processes (see :mod:`~.deepspeed_cpu`)."""
+
+
+__all__ = ["DeepSpeedCPUStrategy", "GradientAccumulationCallback", "estimated_stepping_batches"]

@@ -46,14 +46,15 @@ def test_a_core_module_imports_neither_lightning_nor_the_accumulator(path: Path)
     assert path.stem == "accumulator" or ".accumulator" not in imports, imports
 
 
-def test_private_reads_of_torch_and_lightning_live_in_the_two_internals_modules() -> None:
-    """Every private attribute of torch or Lightning the package reads is read in `core/torch_internals.py`
-    or `lightning_internals.py`, one named function each; elsewhere only torch's foreach kernels (the
-    `torch.nn.utils` convention) and the package's own objects' privates."""
+def test_private_reads_of_torch_lightning_and_deepspeed_live_in_the_internals_modules() -> None:
+    """Every private attribute of torch, Lightning or DeepSpeed the package reads is read in
+    `core/torch_internals.py`, `lightning_internals.py` or `deepspeed_internals.py`, one named function each;
+    elsewhere only torch's foreach kernels (the `torch.nn.utils` convention) and the package's own objects'
+    privates."""
     package = CORE.parent
     found = []
     for path in sorted(package.rglob("*.py")):
-        if path.name in ("torch_internals.py", "lightning_internals.py"):
+        if path.name in ("torch_internals.py", "lightning_internals.py", "deepspeed_internals.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (

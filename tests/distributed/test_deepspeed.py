@@ -114,14 +114,22 @@ def test_a_resume_from_a_window_end_is_exact_and_from_inside_one_steps_its_rest(
 
 def test_bf16_mixed_is_within_bf16_rounding_where_the_built_in_is_off(tmp_path: Path) -> None:
     bf16 = {"precision": "bf16-mixed"}
-    ours, built_in = run(
-        [Scenario(callback={"accumulation_steps": 2}, trainer=bf16), Scenario(trainer_k=2, trainer=bf16)],
+    skip = {"accumulation_steps": 2, "overflow": "skip"}
+    ours, built_in, chosen = run(
+        [
+            Scenario(callback={"accumulation_steps": 2}, trainer=bf16),
+            Scenario(trainer_k=2, trainer=bf16),
+            Scenario(callback=skip, trainer=bf16, epochs=1),
+        ],
         tmp_path,
     )
     # DeepSpeed's bf16 casts the model to bfloat16 (8 bits of mantissa): 2.7e-3 from the fp32 reference
     # measured, where the built-in (doubled division, carried tail) is 5.8e-1 off
     assert diff(ours, reference(TAILS)) < 5e-3
     assert diff(built_in, reference(TAILS)) > 0.05
+    # overflow left at its default asks for nothing: no warning that bf16 cannot skip (one set does warn)
+    assert not [w for w in ours["warnings"] if "overflow" in w]
+    assert [w for w in chosen["warnings"] if "`overflow='skip'` takes effect under DeepSpeed only" in w]
     assert ours["global_step"] == ours["engine_steps"] == len(TAILS)
 
 
@@ -155,6 +163,39 @@ def test_two_ranks_are_exact_with_partial_windows_and_clipping(tmp_path: Path) -
     assert diff(zero0, reference(TAILS, samples=40, world=2)) < 1e-6
     assert clipped["global_step"] == clipped["engine_steps"] == len(TAILS)
     assert clipped["metrics"]["grad_accum/items_last_step"] == 8  # the tail: 4 items on each rank
+
+
+def test_a_window_cut_short_is_discarded_under_every_zero_stage(tmp_path: Path) -> None:
+    """An epoch ended inside a window (``on_train_batch_start`` returned -1) or a ``None`` batch where it
+    should end: the window never steps, and none of its gradient reaches the next one (ZeRO-2 keeps it in
+    partitions that ``zero_grad`` does not clear, and must be told to forget them)."""
+    k2, k3 = {"accumulation_steps": 2}, {"accumulation_steps": 3}
+    scenarios = [
+        Scenario(callback=k2, stage=2, stop_epoch_at=3),  # epoch 0: [0, 1] steps, [2] is cut
+        Scenario(callback=k3, stage=2, stop_epoch_at=4),  # epoch 0: [0, 1, 2] steps, [3] is cut
+        Scenario(callback=k2, stage=2, none_at=1),  # batch 1 is None: [0] is cut at batch 2
+        Scenario(callback=k2, stage=1, stop_epoch_at=3),
+        Scenario(callback=k2, stage=0, stop_epoch_at=3),
+    ]
+    k2_stop, k3_stop, k2_none, zero1, zero0 = run(scenarios, tmp_path)
+    assert any("never reached its optimizer step" in w for w in k2_stop["warnings"])
+    stopped = [[0, 1], *h.windows(5, 2)]
+    for result in (k2_stop, zero1, zero0):
+        assert diff(result, reference(stopped)) < 1e-6
+        assert result["global_step"] == result["engine_steps"] == len(stopped)
+    assert diff(k3_stop, reference([[0, 1, 2], *h.windows(5, 3)])) < 1e-6
+    none_windows = [[2, 3], [4], *h.windows(5, 2)]
+    assert diff(k2_none, reference(none_windows)) < 1e-6
+    assert k2_none["global_step"] == k2_none["engine_steps"] == len(none_windows)
+
+
+def test_a_window_cut_short_on_two_ranks_and_lightning_pytorch_s_namespace(tmp_path: Path) -> None:
+    cut = Scenario(callback={"accumulation_steps": 2}, stage=2, stop_epoch_at=3, samples=40)
+    lit = Scenario(callback={"accumulation_steps": 2}, stage=2, samples=40, namespace="lightning.pytorch")
+    two_ranks, lightning_pytorch = run([cut, lit], tmp_path, world=2)
+    assert diff(two_ranks, reference([[0, 1], *h.windows(5, 2)], samples=40, world=2)) < 1e-6
+    assert diff(lightning_pytorch, reference(TAILS, samples=40, world=2)) < 1e-6
+    assert lightning_pytorch["global_step"] == lightning_pytorch["engine_steps"] == len(TAILS)
 
 
 @h.cuda_only
