@@ -128,13 +128,34 @@ def check_split_fn(split_fn: Any) -> SplitFn | None:
     return split_fn  # type: ignore[no-any-return]
 
 
-def pieces_of(batch: Any, size: int, split_fn: SplitFn | None) -> list[Any]:
-    """``batch`` in pieces of at most ``size`` items, by ``split_fn`` where given (checked: not empty)."""
+def pieces_of(
+    batch: Any, size: int, split_fn: SplitFn | None, length: Callable[[Any], int] = batch_length
+) -> list[Any]:
+    """``batch`` in pieces of at most ``size`` items, by ``split_fn`` where given.
+
+    What a ``split_fn`` returns is checked (``length`` reads a piece's items): every piece holds at most
+    ``size`` items and together they hold the batch's. A piece too large would run out of memory again
+    (``"auto"`` would halve forever); an item dropped or repeated would change the gradient silently.
+
+    Example:
+        >>> import torch
+        >>> pieces_of(torch.zeros(5), 2, lambda batch, size: [batch])
+        Traceback (most recent call last):
+        ...
+        ValueError: `split_fn` must return pieces of at most 2 items ...
+    """
     if split_fn is None:
         return split_batch(batch, size)
     pieces = list(split_fn(batch, size))
-    if not pieces:
-        raise ValueError(f"`split_fn` returned no piece for a batch of type {type(batch).__name__}.")
+    lengths = [length(piece) for piece in pieces]
+    total = length(batch)
+    if not pieces or max(lengths) > size or sum(lengths) != total:
+        raise ValueError(
+            f"`split_fn` must return pieces of at most {size} items that together hold the batch's {total},"
+            f" in order, but for a batch of type {type(batch).__name__} it returned pieces of {lengths}"
+            " items. Cut the batch into consecutive pieces of at most `size` items (`size` is its second"
+            " argument)."
+        )
     return pieces
 
 

@@ -16,7 +16,6 @@ has the one for ``lightning.pytorch``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -44,7 +43,7 @@ from .piece_runner import PieceRunner, check_piece_size
 from .reduction import WindowReduction, check_reduction
 from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from here too
 from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
-from .reporting import SkipWarnings, format_summary, monitors_statistics, step_metrics
+from .reporting import SkipWarnings, format_summary, monitors_statistics, step_metrics, with_parts
 from .window_plan import WindowPlan
 
 require("pytorch-lightning", LIGHTNING_FLOOR)
@@ -174,7 +173,7 @@ class GradientAccumulationLogic(_LogicBase):
         norm_type: float = 2.0,
         clip_scope: Literal["global", "parameter"] = "global",
         clip_value: float | None = None,
-        overflow: Literal["skip", "raise", "ignore", "skip_micro_batch"] = "skip",
+        overflow: Literal["skip", "raise", "ignore", "skip_micro_batch"] | None = None,
         log_stats: bool = True,
         accumulation_dtype: str | None = None,
         clip_mode: Literal["step", "micro_batch"] = "step",
@@ -195,6 +194,8 @@ class GradientAccumulationLogic(_LogicBase):
         policy = make_policy(accumulation_steps, target_batch_size, schedule_unit, auto)
         self.plan = WindowPlan(policy, lr_scaling, make_schedule(lr_schedule))
         self.sharded_reduction = check_reduction(sharded_reduction)
+        # the settings the user chose: only those warn where they cannot take effect (None: "skip")
+        self.chosen = frozenset() if overflow is None else frozenset({"overflow"})
         given = locals()  # the math settings are declared once, by `AccumulationSettings`, which checks them
         implied = {"noise_scale": True} if policy.adaptive else {}  # "auto" decides from the noise scale
         self.settings = AccumulationSettings(**{name: given[name] for name in SETTINGS} | implied)
@@ -247,12 +248,24 @@ class GradientAccumulationLogic(_LogicBase):
 
     @property
     def stats(self) -> AccumulationStats:
-        """A frozen snapshot of the statistics (see :class:`~lightning_gradacc.AccumulationStats`)."""
+        """A frozen snapshot of the statistics (see :class:`~lightning_gradacc.AccumulationStats`).
+
+        The same values as the logged ones, the parts' (learning-rate factor, ``"auto"``, pieces) included.
+        """
         if self._reports_checkpoint:
-            return self._saved.stats(self.plan.accumulation_steps)
-        if self._accumulator is not None:
-            return self._accumulator.stats
-        return AccumulationStats(accumulation_steps=self.plan.accumulation_steps)
+            stats = self._saved.stats(self.plan.accumulation_steps)
+        elif self._accumulator is not None:
+            stats = self._accumulator.stats
+        else:
+            stats = AccumulationStats(accumulation_steps=self.plan.accumulation_steps)
+        return with_parts(stats, self._part_values())
+
+    def _part_values(self) -> dict[str, float]:
+        """The values the fit's parts keep, by their names in ``AccumulationStats``."""
+        values = self.plan.metrics()
+        if self._pieces is not None:
+            values.update(self._pieces.metrics())
+        return values
 
     def summary(self) -> str:
         """The statistics of the last fit as the table ``lightning-gradacc fit`` prints (for scripts).
@@ -261,11 +274,7 @@ class GradientAccumulationLogic(_LogicBase):
             >>> print(GradientAccumulationCallback(4).summary().splitlines()[0])
             Gradient accumulation summary
         """
-        accumulator = self._accumulator
-        loss = (
-            accumulator.window_loss if accumulator is not None and not self._reports_checkpoint else math.nan
-        )
-        return format_summary(self.stats, loss, self._log_dir, self.plan.progress())
+        return format_summary(self.stats, self._log_dir, self.plan.progress())
 
     @property
     def _reports_checkpoint(self) -> bool:
@@ -318,6 +327,7 @@ class GradientAccumulationLogic(_LogicBase):
         layout_of(self._api, trainer).prepare(  # before the strategy's setup reads its configuration
             trainer,
             self.settings,
+            chosen=self.chosen,
             plan=self.plan,
             sharded_reduction=self.sharded_reduction,
             warn=self._api.rank_zero_warn,
@@ -346,7 +356,12 @@ class GradientAccumulationLogic(_LogicBase):
         self._build_accumulator(trainer, pl_module)
         if self._pieces is not None:
             self._pieces.install(
-                trainer, self._accumulator, count=self.item_count_fn, extract=self._api.extract_batch_size
+                trainer,
+                self._accumulator,
+                count=self.item_count_fn,
+                extract=self._api.extract_batch_size,
+                warn=self._api.rank_zero_warn,
+                lightning_k=self.plan.lightning_k,
             )
         self._monitored = monitors_statistics(trainer.callbacks)  # type: ignore[attr-defined]
         self._verify("train_start", trainer, pl_module)
@@ -434,9 +449,7 @@ class GradientAccumulationLogic(_LogicBase):
         if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
             self._groups.follow(trainer, pl_module, accumulator)  # window measures the new set from its start
         self.plan.batch_start(trainer)  # a window opening here gets its K
-        if self._engine is not None:
-            self._engine.batch_start()  # the engine learns, before the forward, whether the window ends
-        lightning_zeroes = batch_idx % trainer.accumulate_grad_batches == 0  # its zero_grad test
+        lightning_zeroes = self.plan.lightning_zeroes(trainer, batch_idx)
         if not internals.backward_skipped(trainer):
             if not accumulator.window.empty and lightning_zeroes:
                 self._discard_window(trainer, f"Lightning starts a new window at batch {batch_idx}")
@@ -445,6 +458,8 @@ class GradientAccumulationLogic(_LogicBase):
                 # A window opening where Lightning does not zero the gradients (the batch before was None
                 # from the dataloader, which skips every hook): it must not start from the last one's.
                 accumulator.reset(set_grads_to_none=True)
+        if self._engine is not None:  # before the forward, of the window this batch is in (after a discard)
+            self._engine.batch_start()
         weighted = self.settings.mode.weighted
         extract, check_labels = self._api.extract_batch_size, not self._labels_checked
         counted = count_micro_batch(batch, batch_idx, self.item_count_fn, weighted, extract, check_labels)
@@ -572,12 +587,14 @@ class GradientAccumulationLogic(_LogicBase):
 
     def metrics(self) -> dict[str, float]:
         """The scalars logged under ``grad_accum/`` (:func:`~lightning_gradacc.reporting.step_metrics`)."""
-        engine, pieces = self._engine, self._pieces
-        plan = self.plan.metrics()
+        engine, accumulator = self._engine, self._accumulator
+        if accumulator is None:
+            return {}
+        parts = self._part_values()
         return step_metrics(
-            self._accumulator,
+            with_parts(accumulator.stats, parts),
             noise_scale=self.settings.noise_scale,
-            plan=plan if pieces is None else {**plan, **pieces.metrics()},
+            parts=parts,
             absent=engine.absent if engine is not None else frozenset(),
         )
 

@@ -13,16 +13,19 @@ of the stand-in is where the runner back-propagates each real piece (the others'
 runner thus holds every graph itself and can drop it after an out-of-memory error: Lightning holds none.
 
 ``piece_size="auto"`` starts from whole batches. On ``torch.OutOfMemoryError`` (or the messages Lightning's
-``is_oom_error`` knows) the piece size halves: after a forward, the batch goes on from the failed piece
-(no gradient was added); after a backward, the batch runs again from its start where nothing else is lost
-(``.grad`` then holds that batch's gradient alone: it opens its window, or the window's earlier gradients
-are in fp32 buffers), or from a snapshot of the gradients (``oom_snapshot=True``), else it raises with the
-reason. Data-parallel ranks agree on the size with one scalar all-reduce (a minimum) per loader batch.
+``is_oom_error`` knows) the piece size halves, rounded up (6, 3, 2, 1): after a forward, the batch goes on
+from the failed piece (no gradient was added); after a backward, the batch runs again from its start where
+nothing else is lost (``.grad`` then holds that batch's gradient alone: it opens its window, or the window's
+earlier gradients are in fp32 buffers), or from a snapshot of the gradients (``oom_snapshot=True``), else it
+raises with the reason. At each loader batch's end the data-parallel ranks agree on the size (the smallest)
+and count the errors recovered over all of them, in one all-reduce, so that what is logged and saved is the
+same on every rank (a checkpoint never holds one rank's view); a new size is announced once, on rank zero.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -31,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .batch_pieces import SplitFn, batch_length, items_or, pieces_of, split_batch
+from .batch_pieces import SplitFn, batch_length, items_or, pieces_of
 from .core.torch_internals import (
     ddp_backward_syncs,
     reset_scaler_optimizer_states,
@@ -65,10 +68,15 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 @dataclass
 class PieceCounters:
-    """What the runner saves in a checkpoint: the agreed size (a resume does not run out again) and counts."""
+    """What the runner saves in a checkpoint: the agreed size (a resume does not run out again) and counts.
+
+    ``size`` and ``oom_retries`` are agreed over the ranks at every batch's end; ``new_retries`` and
+    ``allocator_retries`` are this rank's own, between two agreements.
+    """
 
     size: int | None = None  # the largest piece that fits ("auto"); None: whole batches so far
-    oom_retries: int = 0  # out-of-memory errors recovered from, over the run
+    oom_retries: int = 0  # out-of-memory errors recovered from, over the run and the ranks
+    new_retries: int = 0  # this rank's, since the last agreement
     allocator_retries: int = 0  # the CUDA allocator's retries last seen (thrashing shrinks the size)
 
     def state_dict(self) -> dict[str, Any]:
@@ -122,6 +130,9 @@ class PieceRunner:
         self._world_size = 1
         self._last_largest = 0
         self._checked = False  # "auto": the first batch was checked to be splittable
+        self._warn: Callable[[str], Any] = _ignore
+        self._announced: int | None = None  # the last size announced (rank zero, once per size)
+        self._lightning_k: Callable[[], int] = _one
 
     @property
     def auto(self) -> bool:
@@ -137,11 +148,14 @@ class PieceRunner:
         *,
         count: Callable[[Any], Any] | None,
         extract: Callable[[Any], int],
+        warn: Callable[[str], Any],
+        lightning_k: Callable[[], int],
     ) -> None:
         """Stand in for the strategy's ``training_step`` and the plugin's ``backward`` for this fit.
 
         ``count``: the item counter (else a piece's length); ``extract``: Lightning's batch-size inference,
-        for the length of a ``split_fn``'s piece the default walk cannot read.
+        for the length of a ``split_fn``'s piece the default walk cannot read; ``warn``: rank zero's;
+        ``lightning_k``: what Lightning divides each loss by (the window plan's).
         """
         self.uninstall()
         strategy, plugin = trainer.strategy, trainer.strategy.precision_plugin
@@ -155,6 +169,9 @@ class PieceRunner:
         self._count = count if count is not None else self._length
         self._world_size = trainer.world_size
         self._checked = False
+        self._warn, self._lightning_k = warn, lightning_k
+        self._announced = self.counters.size
+        self.counters.new_retries = 0
         self.counters.allocator_retries = self._allocator_retries() or 0
 
     def uninstall(self) -> None:
@@ -168,11 +185,7 @@ class PieceRunner:
     # ------------------------------------------------------------------------------------ per batch
 
     def begin_batch(self, batch: Any, items: Any) -> None:
-        """A loader batch starts: agree on the size (``"auto"``, over ranks), before its first forward."""
-        if self.auto:
-            self._shrink_if_thrashing()
-            if self._world_size > 1:
-                self.counters.size = self._agreed_size(self.counters.size)
+        """A loader batch starts (its item count, the shares' denominator, is known)."""
         self._run = _Run(batch, items=items)
 
     @property
@@ -182,14 +195,44 @@ class PieceRunner:
         return run is not None and run.first_loss is not None
 
     def end_batch(self, outputs: Any) -> None:
-        """The batch ended: Lightning's ``outputs["loss"]`` becomes the whole batch's (it was the first's)."""
+        """The batch ended: Lightning's ``outputs["loss"]`` becomes the whole batch's (it was the first's).
+
+        With ``"auto"`` the ranks then agree on the size and the errors recovered (:meth:`agree`).
+        """
         run, self._run = self._run, None
-        if run is None or run.loss_sum is None:
-            return
-        self._last_largest = run.largest
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
-        if isinstance(loss, Tensor):  # Lightning's detached copy of L / K
-            loss.copy_(run.loss_sum / self._trainer.accumulate_grad_batches)
+        if run is not None and run.loss_sum is not None:
+            self._last_largest = run.largest
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
+            if isinstance(loss, Tensor):  # Lightning's detached copy of L / K
+                loss.copy_(run.loss_sum / self._lightning_k())
+        if self.auto:
+            self.agree()
+
+    def agree(self) -> None:
+        """Between batches: the smallest size over the ranks, the errors recovered summed over them.
+
+        One all-reduce under data parallelism (``"auto"``), so that every rank logs and saves the same
+        values; a size reached for the first time is announced (rank zero).
+        """
+        counters = self.counters
+        thrashing = self._shrink_if_thrashing()
+        new, counters.new_retries = counters.new_retries, 0
+        if self._world_size > 1:
+            counters.size, new = self._agreed(counters.size, new)
+        counters.oom_retries += new
+        size = counters.size
+        if size is not None and size != self._announced:
+            self._announced = size
+            why = (
+                f"out of memory ({counters.oom_retries} error(s) recovered so far, over the ranks)"
+                if new or not thrashing
+                else "the CUDA allocator had to free its cache to fit (thrashing)"
+            )
+            self._warn(
+                f"`piece_size='auto'`: {why}; each batch now runs in pieces of at most {size} items (global"
+                f" step {self._trainer.global_step}). The gradient is still the whole batch's, but each error"
+                f" costs a pass and a garbage collection: start a later run at `piece_size={size}`."
+            )
 
     def metrics(self) -> dict[str, float]:
         """``piece_size`` (the largest piece of the last batch) and ``oom_retries`` (over the run)."""
@@ -208,11 +251,10 @@ class PieceRunner:
         if whole and not self.auto:  # nothing to cut: Lightning's own path
             self._run, self._last_largest = None, length
             return self._step(*args, **kwargs)
-        if whole and not self._checked:  # "auto": a batch it could not cut is refused before any error
+        if whole and not self._checked:  # "auto": a batch no one can cut is refused before any error
             self._checked = True
-            if self.split_fn is None:
-                split_batch(run.batch, self._length(run.batch))
-        self._set_pieces(run, [run.batch] if whole else pieces_of(run.batch, size, self.split_fn))  # type: ignore[arg-type]
+            self._pieces_of(run.batch, (self._length(run.batch) + 1) // 2)
+        self._set_pieces(run, [run.batch] if whole else self._pieces_of(run.batch, size))  # type: ignore[arg-type]
         while True:
             piece = run.pieces[0]
             try:
@@ -272,7 +314,7 @@ class PieceRunner:
 
     def _weighed(self, loss: Tensor, piece: Any, run: _Run) -> Tensor:
         """``loss`` (a piece's, times its share) as Lightning back-propagates: / K, AMP-scaled, weighed."""
-        scaled = loss / self._trainer.accumulate_grad_batches
+        scaled = loss / self._lightning_k()  # as Lightning divides (the plan's K for it)
         if self._scaler is not None:
             scaled = self._scaler.scale(scaled)
         return self._accumulator.next_piece(scaled, self._share(piece, run))  # type: ignore[no-any-return]
@@ -287,13 +329,13 @@ class PieceRunner:
                 f"A single item does not fit (piece_size='auto' halved down to 1 and ran out of memory in a"
                 f" {'backward' if backward else 'forward'} again): {message}"
             )
-        self.counters.size = max(1, length // 2)
-        self.counters.oom_retries += 1
+        self.counters.size = (length + 1) // 2  # halved, rounded up: 6 -> 3 -> 2, not 6 -> 3 -> 1
+        self.counters.new_retries += 1
         self._free()
         # the allocator retried before it raised: that is this error, not thrashing to halve for again
         self.counters.allocator_retries = self._allocator_retries() or 0
         size = self.counters.size
-        self._set_pieces(run, [part for old in run.pieces for part in pieces_of(old, size, self.split_fn)])
+        self._set_pieces(run, [part for old in run.pieces for part in self._pieces_of(old, size)])
         run.loss_sum = None if backward else run.loss_sum
 
     def _restart(
@@ -333,7 +375,10 @@ class PieceRunner:
         accumulator.restart_micro_batch()
         run.largest = 0  # the batch's pieces start over
         self._recover(run, piece, message, backward=True)
-        self._set_pieces(run, pieces_of(run.batch, self.counters.size, self.split_fn))  # type: ignore[arg-type]
+        self._set_pieces(run, self._pieces_of(run.batch, self.counters.size))  # type: ignore[arg-type]
+
+    def _pieces_of(self, batch: Any, size: int) -> list[Any]:
+        return pieces_of(batch, max(1, size), self.split_fn, self._length)
 
     def _set_pieces(self, run: _Run, pieces: list[Any]) -> None:
         """The pieces still to run, less those without items (counted on the host: a forward skipped)."""
@@ -407,26 +452,40 @@ class PieceRunner:
         model = getattr(self._installed[0], "model", None)  # type: ignore[index]
         return self._world_size > 1 and ddp_backward_syncs(model)
 
-    def _agreed_size(self, size: int | None) -> int | None:
-        """The smallest size over the ranks (one scalar all-reduce); None where every rank runs whole."""
+    def _agreed(self, size: int | None, new_retries: int) -> tuple[int | None, int]:
+        """The smallest size over the ranks (None where every rank runs whole) and their new errors, summed.
+
+        One all-reduce (a maximum) of ``[-size, 0, .., new_retries at this rank's slot, .., 0]``.
+        """
         import torch.distributed as dist
 
+        values = torch.zeros(1 + self._world_size, dtype=torch.float64)
+        values[0] = -math.inf if size is None else -float(size)
+        values[1 + int(dist.get_rank())] = float(new_retries)
         device = self._trainer.strategy.root_device
-        value = torch.tensor(float("inf") if size is None else float(size), device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
-        agreed = float(value)  # the one host read of "auto" per batch, under data parallelism only
-        return None if agreed == float("inf") else int(agreed)
+        reduced = values.to(device)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+        smallest, *retries = reduced.tolist()  # the one host read of "auto" per batch, under DDP only
+        return (None if smallest == -math.inf else int(-smallest)), int(sum(retries))
 
-    def _shrink_if_thrashing(self) -> None:
-        """The CUDA allocator retried (freed its cache to fit) since the last batch: halve the size."""
+    def _shrink_if_thrashing(self) -> bool:
+        """The CUDA allocator retried (freed its cache to fit) during the batch: halve the size (True)."""
         retries = self._allocator_retries()
         if retries is None:
-            return
+            return False
         seen, self.counters.allocator_retries = self.counters.allocator_retries, retries
         if retries > seen and self._last_largest > 1:
-            self.counters.size = max(
-                1, min(self.counters.size or self._last_largest, self._last_largest) // 2
-            )
+            self.counters.size = (min(self.counters.size or self._last_largest, self._last_largest) + 1) // 2
+            return True
+        return False
+
+
+def _ignore(message: str) -> None:
+    """No one to tell (before a fit: a runner is pickled to ``ddp_spawn``'s processes, lambdas are not)."""
+
+
+def _one() -> int:
+    return 1
 
 
 def _stand_in_output(output: Any, loss: Tensor) -> Any:

@@ -3,49 +3,65 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import fields
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import fields, replace
 from typing import Any
 
-from .core import AccumulationStats, GradAccumulator
-from .engine_window import EngineWindow
+from .core import AccumulationStats
 
 # Statistics logged under "grad_accum/" with their own names: as each field of AccumulationStats declares.
 _LOGGED = [f for f in fields(AccumulationStats) if f.metadata["logged"]]
 NOISE_STATISTICS = tuple(f.name for f in _LOGGED if f.metadata["noise"])  # with noise_scale=True
-LOGGED_STATISTICS = (*(f.name for f in _LOGGED if not f.metadata["noise"]), "steps_taken")
+# logged where the fit has the part that keeps them (the plan's learning-rate factor and "auto", the pieces)
+PART_STATISTICS = tuple(f.name for f in _LOGGED if f.metadata["kept"] == "part")
+LOGGED_STATISTICS = (
+    *(f.name for f in _LOGGED if not f.metadata["noise"] and f.metadata["kept"] != "part"),
+    "steps_taken",
+)
+
+
+def with_parts(stats: AccumulationStats, parts: Mapping[str, float]) -> AccumulationStats:
+    """``stats`` with the values the fit's parts keep (``PART_STATISTICS``, by name).
+
+    Example:
+        >>> with_parts(AccumulationStats(windows=2), {"oom_retries": 1.0}).oom_retries
+        1
+    """
+    if not parts:
+        return stats
+    unknown = set(parts) - set(PART_STATISTICS)
+    if unknown:  # a part's value must be declared once, as a field of AccumulationStats
+        raise KeyError(f"{sorted(unknown)} are not statistics kept by a part (AccumulationStats).")
+    integers = {f.name for f in fields(AccumulationStats) if type(f.default) is int}
+    return replace(stats, **{n: int(v) if n in integers else v for n, v in parts.items()})  # type: ignore[arg-type]
 
 
 def step_metrics(
-    accumulator: GradAccumulator | EngineWindow | None,
+    stats: AccumulationStats | None,
     *,
     noise_scale: bool,
-    plan: dict[str, float] | None = None,
+    parts: Iterable[str] = (),
     absent: frozenset[str] = frozenset(),
 ) -> dict[str, float]:
-    """The logged scalars: ``LOGGED_STATISTICS`` (and ``NOISE_STATISTICS``), ``window_loss`` and the plan's.
+    """The logged scalars: ``LOGGED_STATISTICS`` (and ``NOISE_STATISTICS``), and the parts' values.
 
     Args:
-        accumulator: The accumulator of the fit (``None``: nothing to log yet).
+        stats: The fit's statistics, the parts' values in them (``None``: nothing to log yet).
         noise_scale: Whether the noise scale is estimated.
-        plan: The window plan's scalars by name (``lr_factor``; ``"auto"``'s target and its estimate).
+        parts: The names of the values the fit's parts keep (``PART_STATISTICS``): logged from ``stats``.
         absent: Statistics the accumulator cannot show (``EngineWindow.absent``): not logged.
 
     Example:
-        >>> import torch
-        >>> metrics = step_metrics(GradAccumulator([torch.zeros(1, requires_grad=True)]), noise_scale=False)
-        >>> metrics["grad_accum/windows"], "grad_accum/noise_scale" in metrics
-        (0.0, False)
+        >>> stats = with_parts(AccumulationStats(windows=2), {"piece_size": 4})
+        >>> metrics = step_metrics(stats, noise_scale=False, parts=["piece_size"])
+        >>> metrics["grad_accum/piece_size"], "grad_accum/noise_scale" in metrics
+        (4.0, False)
     """
-    if accumulator is None:
+    if stats is None:
         return {}
-    stats = accumulator.stats.as_dict()
-    names = LOGGED_STATISTICS + (NOISE_STATISTICS if noise_scale else ())
-    logged = {f"grad_accum/{name}": float(stats[name]) for name in names if name not in absent}
-    if "window_loss" not in absent:
-        logged["grad_accum/window_loss"] = accumulator.window_loss
-    logged.update({f"grad_accum/{name}": value for name, value in (plan or {}).items()})
-    return logged
+    values = stats.as_dict()
+    names = (*LOGGED_STATISTICS, *(NOISE_STATISTICS if noise_scale else ()), *parts)
+    return {f"grad_accum/{name}": float(values[name]) for name in names if name not in absent}
 
 
 class SkipWarnings:
@@ -168,19 +184,22 @@ def _noise_scale(stats: AccumulationStats) -> str:
     return f"{noise:,.1f} {unit} (averaged over recent steps)"
 
 
-def format_summary(
-    stats: AccumulationStats, window_loss: float, log_dir: str | None, schedule: str | None = None
-) -> str:
+def _pieces(stats: AccumulationStats) -> str:
+    errors = stats.oom_retries
+    recovered = f"{errors:,} out-of-memory error{'s' if errors != 1 else ''} recovered"
+    return f"{recovered}; the last batch's largest piece {stats.piece_size:,} items"
+
+
+def format_summary(stats: AccumulationStats, log_dir: str | None, schedule: str | None = None) -> str:
     """Render the statistics of a finished run as a two-column table (``callback.summary()`` prints it).
 
     Args:
-        stats: The callback's statistics at the end of ``fit``.
-        window_loss: Mean loss of the last window.
+        stats: The callback's statistics at the end of ``fit`` (its parts' values in them).
         log_dir: Where the logger writes (``None``: no logger).
         schedule: Where a schedule keyed by steps or items stands (``None``: none).
 
     Example:
-        >>> print(format_summary(AccumulationStats(accumulation_steps=4, windows=3), 0.5, None))
+        >>> print(format_summary(AccumulationStats(accumulation_steps=4, windows=3), None))
         Gradient accumulation summary
         ---------------------------------------------------------------
         optimizer steps taken        3 of 3 windows
@@ -188,7 +207,7 @@ def format_summary(
         ...
         logs                         no logger
     """
-    k = stats.accumulation_steps
+    k, window_loss = stats.accumulation_steps, stats.window_loss
     rows = [
         ("optimizer steps taken", f"{stats.steps_taken:,} of {stats.windows:,} windows"),
         ("accumulation steps (K)", str(k)),
@@ -203,6 +222,7 @@ def format_summary(
         ("last grad norm", f"{stats.last_grad_norm:.4g} (max seen {stats.max_grad_norm_seen:.4g})"),
         ("last window loss", "n/a" if math.isnan(window_loss) else f"{window_loss:.4f}"),
         *([("gradient noise scale", _noise_scale(stats))] if not math.isnan(stats.noise_scale) else []),
+        *([("batches in pieces", _pieces(stats))] if stats.piece_size or stats.oom_retries else []),
         ("peak memory", _bytes(stats.peak_memory_bytes)),
         ("accumulation buffers", _bytes(stats.buffer_bytes)),
         ("logs", log_dir or "no logger"),

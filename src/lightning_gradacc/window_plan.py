@@ -196,6 +196,18 @@ class WindowPlan:
         factor = {"lr_factor": self.lr_factor} if self._scales_lrs else {}
         return {**factor, **self._policy.metrics()}
 
+    def lightning_k(self) -> int:
+        """What Lightning divides each loss of the open window by (its ``accumulate_grad_batches``)."""
+        return self.position.lightning_k
+
+    @staticmethod
+    def lightning_zeroes(trainer: pl.Trainer, batch_idx: int) -> bool:
+        """Whether Lightning zeroes the gradients before batch ``batch_idx``: its own test, on its own K.
+
+        Lightning's copy, not the plan's: another callback may drive it for an epoch of its own.
+        """
+        return batch_idx % trainer.accumulate_grad_batches == 0
+
     @property
     def items_consumed(self) -> float | None:
         """Items of the windows closed so far, over all ranks.

@@ -44,6 +44,19 @@ def test_a_non_finite_window_is_skipped_by_the_fused_step_itself(optimizer: str,
         assert {float(s["step"]) for s in state.values()} == {2.0}
 
 
+def test_skip_micro_batch_with_a_fused_optimizer_divides_by_the_micro_batches_kept() -> None:
+    """Micro-batch 5 is not finite: window 1 steps on micro-batches 4, 6 and 7, their mean (not / 4), with
+    the factor decided on the device (the first window is decided on the host: fused SGD's momentum)."""
+    callback = GradientAccumulationCallback(4, overflow="skip_micro_batch", accumulation_dtype="float64")
+    module = h.RegressionModule(h.regression_data(40), optimizer="sgd_fused", lr=0.1, nan_at=(5,))
+    h.trainer(callbacks=[callback]).fit(module)
+    assert callback.accumulator.device_step is not None  # type: ignore[union-attr]
+    windows = [[0, 1, 2, 3], [4, 6, 7], [8, 9]]
+    expected = h.regression_reference(windows, optimizer="sgd_fused", lr=0.1)
+    assert h.max_abs_diff(module.net, expected) < 2e-7
+    assert callback.stats.dropped_micro_batches == 1
+
+
 @pytest.mark.parametrize("fold", [True, False])
 def test_the_multiplier_is_folded_into_the_step_only_where_no_hook_reads_the_gradient(fold: bool) -> None:
     seen: list[float] = []

@@ -448,14 +448,17 @@ def test_an_int_size_is_this_run_s_setting_on_resume_and_unsplit_batches_log_the
 
 
 def test_a_thrashing_allocator_halves_the_size_as_an_error_would() -> None:
-    """The CUDA allocator's retries (it freed its cache to fit) grow during batch 1: batch 2 runs halved."""
+    """The CUDA allocator's retries (it freed its cache to fit) grow during batch 1: batch 2 runs halved.
+
+    A new size is announced, naming why."""
     data = h.regression_data(40)
     module = OomModule(data, batch_size=8)
     callback = GradientAccumulationCallback(2, piece_size="auto")
-    readings = iter([0, 0, 0, 3, 3, 3])  # at install, then before each batch
+    readings = iter([0, 0, 3, 3, 3, 3])  # at install, then at each batch's end
     assert callback._pieces is not None
     callback._pieces._allocator_retries = lambda: next(readings)
-    fit(module, callback)
+    with pytest.warns(UserWarning, match=r"allocator had to free its cache.*pieces of at most 4 items"):
+        fit(module, callback)
     assert module.forwards == [8, 8, 4, 4, 4, 4, 4, 4]
     assert h.max_abs_diff(module.net, reference(data, 8, h.windows(5, 2))) < 1e-6
     assert callback.metrics()["grad_accum/oom_retries"] == 0
@@ -574,3 +577,118 @@ def test_pieces_with_lightning_s_swa_checkpointing_and_early_stopping_equal_whol
         return module
 
     assert h.max_abs_diff(run(3, "pieces").net, run(None, "whole").net) < 1e-6
+
+
+class RunsOutOnce(OomModule):
+    """Runs out of memory once, in the backward of piece ``at[1]`` of batch ``at[0]`` (the first time)."""
+
+    def __init__(self, data: Any, at: tuple[int, int], **kwargs: Any) -> None:
+        super().__init__(data, **kwargs)
+        self.at, self.piece, self.failed = at, 0, False
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.piece = 0
+
+    def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        fails = (batch_idx, self.piece) == self.at and not self.failed
+        self.failed, self.piece = self.failed or fails, self.piece + 1
+        if not fails:
+            return super().training_step(batch, batch_idx)
+        x, y = batch
+        hidden = _OomInBackward.apply(self.net[0](x), 0)
+        self.forwards.append(len(x))
+        return nn.functional.mse_loss(self.net[2](self.net[1](hidden)), y)
+
+
+class BatchEnds(pl.Callback):
+    """After the accumulation callback, at each batch's end: ``outputs["loss"]``, the piece size, the loss."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.piece_sizes: list[int] = []
+        self.window_losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, *args: Any) -> None:
+        callback = trainer.callbacks[0]
+        self.losses.append(float(outputs["loss"]))
+        self.piece_sizes.append(callback.stats.piece_size)
+        if trainer.fit_loop.epoch_loop._should_accumulate() is False:
+            self.window_losses.append(callback.stats.window_loss)
+
+
+def test_the_losses_and_the_piece_size_are_the_whole_batch_s_through_a_redone_batch() -> None:
+    """Batch 0 runs out in its forward (pieces of 4 after it); batch 1, in the middle of a window of 3,
+    runs out in its second piece's backward and is redone from the snapshot in pieces of 2. Each batch's
+    ``outputs["loss"]`` is the whole batch's, each window's loss the big batch's (plain PyTorch), and the
+    piece size of batch 1 is its redo's (2), not the failed pass's (4)."""
+    data = h.regression_data(48)  # 6 batches of 8; K=3: windows 3, 3
+    module = RunsOutOnce(data, (1, 1), batch_size=8, forward_cap=Cap(at={0: 5}))
+    ends = BatchEnds()
+    callback = GradientAccumulationCallback(3, piece_size="auto", oom_snapshot=True)
+    with pytest.warns(UserWarning, match="pieces of at most 2 items"):
+        h.fit(module, callback, ends)
+    window_losses: list[float] = []
+    expected = reference(data, 8, h.windows(6, 3), losses=window_losses)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+    assert module.forwards[:7] == [4, 4, 4, 4, 2, 2, 2]  # batch 0; batch 1: 4, 4 (fails), then 2 x 4
+    assert ends.window_losses == pytest.approx(window_losses, rel=1e-6)
+    whole = BatchEnds()
+    h.fit(OomModule(data, batch_size=8), GradientAccumulationCallback(3), whole)
+    assert ends.losses == pytest.approx(whole.losses, rel=1e-6)  # each batch's, once, after a redo too
+    assert ends.piece_sizes == [4, 2, 2, 2, 2, 2]
+    assert callback.stats.oom_retries == 2
+
+
+def test_halving_rounds_up_so_that_a_size_that_fits_is_not_skipped() -> None:
+    """6 items, 2 fit: 6 -> 3 -> 2 (halving down would go 6 -> 3 -> 1 and run items one by one)."""
+    data = h.regression_data(36)  # 6 batches of 6
+    module = OomModule(data, batch_size=6, forward_cap=Cap(since={0: 2}))
+    callback = GradientAccumulationCallback(2, piece_size="auto")
+    with pytest.warns(UserWarning, match="pieces of at most 2 items") as warned:
+        fit(module, callback)
+    announced = [w for w in warned if "piece_size='auto'" in str(w.message)]
+    assert len(announced) == 1  # once per size reached (rank zero), not once per error
+    assert module.forwards[-3:] == [2, 2, 2] and callback.stats.piece_size == 2
+    assert h.max_abs_diff(module.net, reference(data, 6, h.windows(6, 2))) < 1e-6
+    summary = callback.summary()
+    assert "2 out-of-memory errors recovered; the last batch's largest piece 2 items" in summary
+
+
+@pytest.mark.parametrize(
+    ("split", "match"),
+    [
+        (lambda batch, size: [batch], r"pieces of at most 4 items .* it returned pieces of \[8\] items"),
+        (lambda batch, size: [(x[:size], y[:size]) for x, y in [batch]], r"batch's 8, .*\[4\] items"),
+    ],
+    ids=["ignores-the-size", "drops-items"],
+)
+def test_a_split_fn_whose_pieces_are_too_large_or_lose_items_is_refused_before_any_error(
+    split: Any, match: str
+) -> None:
+    """A ``split_fn`` that ignores its size made "auto" retry forever; one that drops items trained on
+    less, silently. Both are refused at the first batch, before any out-of-memory error."""
+    module = OomModule(h.regression_data(40), batch_size=8, forward_cap=Cap(since={2: 5}))
+    callback = GradientAccumulationCallback(2, piece_size="auto", split_fn=split)
+    with pytest.raises(ValueError, match=match):
+        fit(module, callback)
+    assert module.ooms == 0
+
+
+@pytest.mark.filterwarnings("ignore:`training_step` returned `None`:UserWarning")
+def test_an_empty_window_logs_its_declared_norm_not_the_last_window_s() -> None:
+    """Every batch of window 1 returns None: nothing is stepped, and the norm logged for it is 0 (nothing
+    measured), where the window before logged its own."""
+
+    class SkipsWindow1(h.RegressionModule):
+        def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor | None:
+            return None if batch_idx in (2, 3) else super().training_step(batch, batch_idx)
+
+    recorder = h.MetricsRecorder()
+    callback = GradientAccumulationCallback(2)
+    h.trainer(callbacks=[callback], logger=recorder, log_every_n_steps=1).fit(
+        SkipsWindow1(h.regression_data(40))
+    )
+    norms = [v for _, v in recorder.series("grad_accum/last_grad_norm")]
+    empty = [v for _, v in recorder.series("grad_accum/empty_windows")]
+    assert empty == [0, 1, 1, 1, 1] and norms[0] > 0 and norms[1] == 0 and norms[2] > 0

@@ -6,13 +6,15 @@ As often as asked (``log_every_n_steps``, ``log_stats``), as a frozen snapshot o
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytorch_lightning as pl
 
 from lightning_gradacc import AccumulationStats, GradientAccumulationCallback
-from lightning_gradacc.callback import LOGGED_STATISTICS, NOISE_STATISTICS
+from lightning_gradacc.callback import LOGGED_STATISTICS
 from tests import helpers as h
 
 BATCH = 4
@@ -35,8 +37,30 @@ def test_logs_one_point_per_optimizer_step_with_exact_values() -> None:
     assert logged == pytest.approx(losses, rel=1e-5)  # the mean loss over the whole window
     expected_keys = {f"grad_accum/{name}" for name in LOGGED_STATISTICS} | {"grad_accum/window_loss"}
     assert expected_keys <= set(recorder.records[0][1])
-    unlogged = {"open_window_micro_batches", *NOISE_STATISTICS}  # the noise ones with noise_scale=True only
-    assert set(LOGGED_STATISTICS) == set(AccumulationStats().as_dict()) - unlogged
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"piece_size": "auto", "lr_scaling": "sqrt"},
+        {"accumulation_steps": "auto"},
+        {"noise_scale": True, "piece_size": 2},
+    ],
+    ids=["pieces-lr", "auto-k", "noise"],
+)
+def test_stats_hold_every_value_the_fit_logged(kwargs: dict[str, Any]) -> None:
+    """What ``callback.stats`` returns is what was logged: the parts' values (pieces, the learning-rate
+    factor, "auto"'s) and the window loss too, read after a real fit (not from the declaration)."""
+    module = h.RegressionModule(h.regression_data(40))
+    callback = GradientAccumulationCallback(**{"accumulation_steps": 2, **kwargs})
+    trainer = h.fit(module, callback, max_epochs=2)
+    logged = {k.removeprefix("grad_accum/"): float(v) for k, v in trainer.callback_metrics.items()}
+    stats = callback.stats.as_dict()
+    assert logged.keys() <= stats.keys()
+    del logged["peak_memory_bytes"]  # the process's peak: read anew at each read
+    assert {name: stats[name] for name in logged} == pytest.approx(logged, nan_ok=True)
+    assert math.isfinite(stats["window_loss"]) and stats["window_loss"] > 0
+    assert ("piece_size" in logged) == ("piece_size" in kwargs)
 
 
 def test_respects_log_every_n_steps_and_log_stats() -> None:

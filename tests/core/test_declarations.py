@@ -21,12 +21,12 @@ import torch
 from lightning_gradacc.core.statistics import (
     COUNTS,
     NOW,
+    PARTS,
     STATISTICS,
-    WINDOW_LOSS,
     AccumulationStats,
     RunStatistics,
 )
-from lightning_gradacc.reporting import LOGGED_STATISTICS, NOISE_STATISTICS
+from lightning_gradacc.reporting import LOGGED_STATISTICS, NOISE_STATISTICS, PART_STATISTICS
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "lightning_gradacc"
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
@@ -39,8 +39,8 @@ def _sources() -> list[Path]:
 def test_every_statistic_is_one_field_with_its_fold_and_doc() -> None:
     """Each field says where it is kept; the ledger, the counters and the snapshot's facts cover each once."""
     kept = {f.name: f.metadata["kept"] for f in fields(AccumulationStats)}
-    ledger = [s.name for s in STATISTICS if s is not WINDOW_LOSS]
-    assert sorted([*ledger, *COUNTS, *NOW]) == sorted(kept)
+    ledger = [s.name for s in STATISTICS]
+    assert sorted([*ledger, *COUNTS, *NOW, *PARTS]) == sorted(kept)
     for declared in fields(AccumulationStats):
         assert declared.metadata["doc"].strip(), declared.name
         assert declared.name in (AccumulationStats.__doc__ or ""), declared.name
@@ -51,9 +51,10 @@ def test_the_saved_counters_and_the_logged_names_follow_the_fields() -> None:
     saved = statistics.state_dict()
     assert set(saved) == {*COUNTS, *(s.name for s in STATISTICS)}
     logged = {f.name for f in fields(AccumulationStats) if f.metadata["logged"]}
-    assert {*LOGGED_STATISTICS, *NOISE_STATISTICS} == logged | {"steps_taken"}
+    assert {*LOGGED_STATISTICS, *NOISE_STATISTICS, *PART_STATISTICS} == logged | {"steps_taken"}
     reference = REFERENCE.read_text()
-    missing = [name for name in (*LOGGED_STATISTICS, *NOISE_STATISTICS) if f"`{name}`" not in reference]
+    every = (*LOGGED_STATISTICS, *NOISE_STATISTICS, *PART_STATISTICS)
+    missing = [name for name in every if f"`{name}`" not in reference]
     assert not missing, f"docs/reference.md does not describe {missing}"
 
 

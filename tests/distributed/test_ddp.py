@@ -211,6 +211,19 @@ def test_ddp_with_a_fused_optimizer_skips_a_window_non_finite_on_one_rank_on_bot
     assert float(trainer.callback_metrics["grad_accum/skipped_steps"]) == 1
 
 
+def test_ddp_token_weighted_with_a_fused_optimizer_steps_the_big_batch_decided_on_the_device() -> None:
+    """The window's factor is computed on the device for a fused step (no host read): token weights over
+    both ranks' tokens, as the host path does."""
+    data = h.token_data(24)  # 6 micro-batches of 2 sequences per rank; K=2
+    callback = GradientAccumulationCallback(2, scaling="weighted", item_count_fn=h.count_tokens)
+    module = h.TokenModule(data, optimizer="sgd_fused")
+    ddp_trainer(callback, logger=False).fit(module)
+    expected = h.big_batch_reference(
+        h.token_net(), data, 2 * WORLD, h.windows(6, 2), h.token_loss, lr=0.5, optimizer="sgd_fused"
+    )
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+
+
 class EstimateRecorder(h.RegressionModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         self.estimate = self.trainer.estimated_stepping_batches

@@ -123,8 +123,8 @@ def check_scaling(value: Any) -> str:
 
 
 def check_overflow(value: Any) -> str:
-    """Return ``value`` if it is a known overflow policy."""
-    return check_choice("overflow", value, OverflowPolicy)
+    """Return ``value`` if it is a known overflow policy (``None``, the default, is ``"skip"``)."""
+    return "skip" if value is None else check_choice("overflow", value, OverflowPolicy)
 
 
 def check_clip_mode(value: Any) -> str:
@@ -316,13 +316,14 @@ class AccumulationSettings:
         "Clamp every element of the final gradient to ``[-clip_value, clip_value]``, once per step.",
     )
     overflow: str = _setting(
-        "skip",
+        None,
         lambda value: check_overflow(value),
         'What a non-finite gradient does: ``"skip"`` the step (gradients set to ``None``, so torch'
         ' optimizers change neither parameters nor state), ``"raise"``'
         ' :class:`~lightning_gradacc.GradientOverflowError`, ``"ignore"`` (counted, and stepped), or'
         ' ``"skip_micro_batch"``: drop only the micro-batch whose gradient is not finite and keep the window'
-        " (needs ``accumulation_dtype``). Under a ``GradScaler``"
+        ' (needs ``accumulation_dtype``); ``None`` (the default) is ``"skip"`` where it can act, without a'
+        " warning where a strategy cannot skip (DeepSpeed outside fp16). Under a ``GradScaler``"
         ' (``precision="16-mixed"``) the scaler skips such steps itself; they are counted.',
     )
     accumulation_dtype: torch.dtype | None = _setting(  # noqa: RUF009 (a `field`, as the others)

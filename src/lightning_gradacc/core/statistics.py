@@ -44,7 +44,7 @@ from .scalars import Scalar
 from .settings import doc_entries
 
 Fold = Literal["sum", "max", "last"]
-Kept = Literal["window", "count", "now"]
+Kept = Literal["window", "count", "now", "part"]
 
 
 def statistic(
@@ -66,11 +66,14 @@ def statistic(
         doc: Its documentation (the class's ``Attributes`` and the README's table are made from it).
         kept: ``"window"``: computed from each window's values and folded over windows by the ledger;
             ``"count"``: a host counter of :class:`RunStatistics` (saved and restored with it); ``"now"``: a
-            fact of the accumulator at the snapshot (K, the open window), neither folded nor saved.
+            fact of the accumulator at the snapshot (K, the open window), neither folded nor saved;
+            ``"part"``: a value of a part of the Lightning callback's fit (the window plan, the pieces),
+            which that part keeps and saves; the core's snapshot leaves it at its default.
         fold: How windows fold into a ``"window"`` statistic: ``"sum"`` (a counter), ``"max"`` or ``"last"``.
         empty: What a window without micro-batches folds in (``None``: nothing; it keeps its value).
         follows: Another statistic whose every new value this one folds too (``max`` of a ``last``).
-        logged: Whether the callback logs it (under ``grad_accum/``).
+        logged: Whether the callback logs it (under ``grad_accum/``; a ``"part"`` value where the fit has
+            that part).
         noise: Logged only with ``noise_scale=True``.
     """
     metadata = {"doc": doc, "kept": kept, "fold": fold, "empty": empty, "follows": follows}
@@ -160,6 +163,12 @@ class AccumulationStats:
     micro_batches_last_step: int = statistic(
         0, "Micro-batches in the last window (k, which is < K for a partial window).", kept="count"
     )
+    window_loss: float = statistic(
+        math.nan,
+        "Mean training loss over the last window, weighted by items and over ranks (Lightning itself logs"
+        " only the last micro-batch's); ``nan`` where no loss was recorded.",
+        empty=math.nan,
+    )
     num_parameters: int = statistic(
         0,
         "Trainable parameter elements tracked: the whole model's, also when FSDP shards it (not this"
@@ -198,6 +207,47 @@ class AccumulationStats:
         " negative).",
         empty=math.nan,
         noise=True,
+    )
+    # the values of the Lightning callback's parts: each part hands them over by these names
+    lr_factor: float = statistic(
+        math.nan,
+        "With ``lr_scaling`` or ``lr_schedule``: the factor the last step's learning rates were multiplied"
+        " by.",
+        kept="part",
+    )
+    auto_target_k: float = statistic(
+        math.nan,
+        'With ``accumulation_steps="auto"``: the rule\'s K after the last step (``nan`` without an'
+        " estimate).",
+        kept="part",
+    )
+    auto_noise_scale: float = statistic(
+        math.nan, 'With ``"auto"``: the noise scale that target came from.', kept="part"
+    )
+    auto_items_per_micro_batch: float = statistic(
+        math.nan,
+        'With ``"auto"``: the items of one micro-batch on one rank in the last window.',
+        kept="part",
+    )
+    auto_t_micro: float = statistic(
+        math.nan,
+        'With ``"auto"`` and ``rule="goodput"``: the averaged seconds of an accumulating micro-batch.',
+        kept="part",
+    )
+    auto_t_step: float = statistic(
+        math.nan,
+        'With ``"auto"`` and ``rule="goodput"``: what a window\'s last micro-batch costs on top.',
+        kept="part",
+    )
+    piece_size: int = statistic(
+        0,
+        "With ``piece_size``: the largest piece the last batch ran (its items; 0 without pieces).",
+        kept="part",
+    )
+    oom_retries: int = statistic(
+        0,
+        "With ``piece_size``: out-of-memory errors recovered from over the run, summed over the ranks.",
+        kept="part",
     )
 
     @property
@@ -294,18 +344,14 @@ class Statistic:
     follows: str | None = None
 
 
-# The window loss is folded like the others but is not a snapshot field: it is computed only when read.
-WINDOW_LOSS = Statistic("window_loss", "last", math.nan, empty=math.nan)
-STATISTICS = (
-    *(
-        Statistic(f.name, f.metadata["fold"], float(f.default), f.metadata["empty"], f.metadata["follows"])  # type: ignore[arg-type]
-        for f in fields(AccumulationStats)
-        if f.metadata["kept"] == "window"
-    ),
-    WINDOW_LOSS,
+STATISTICS = tuple(
+    Statistic(f.name, f.metadata["fold"], float(f.default), f.metadata["empty"], f.metadata["follows"])  # type: ignore[arg-type]
+    for f in fields(AccumulationStats)
+    if f.metadata["kept"] == "window"
 )
 COUNTS = tuple(f.name for f in fields(AccumulationStats) if f.metadata["kept"] == "count")  # on the host
 NOW = tuple(f.name for f in fields(AccumulationStats) if f.metadata["kept"] == "now")  # the snapshot's facts
+PARTS = tuple(f.name for f in fields(AccumulationStats) if f.metadata["kept"] == "part")  # the callback's
 UNMEASURED = tuple(statistic.name for statistic in STATISTICS if math.isnan(statistic.initial))
 NAMES = tuple(statistic.name for statistic in STATISTICS)
 COUNTERS = tuple(statistic.name for statistic in STATISTICS if statistic.fold == "sum")
@@ -597,24 +643,23 @@ class RunStatistics:
     def value(self, name: str) -> float:
         """One statistic or counter on the host (syncs once if windows wait on the device).
 
-        The window loss, computed only when read, comes from :attr:`window_loss`.
+        The window loss is computed when it is read (a few kernels no one may ever need).
         """
         if name in COUNTS:
             return float(getattr(self, name))
-        return self._ledger.values(deferred=False)[name]
+        return self._ledger.values(deferred=name == "window_loss")[name]
 
     @property
     def window_loss(self) -> float:
         """Item-weighted mean loss of the last window, over ranks (``nan`` if no loss was recorded)."""
-        return self._ledger.values()[WINDOW_LOSS.name]
+        return self._ledger.values()["window_loss"]
 
     def snapshot(self, **now: Any) -> AccumulationStats:
         """A frozen snapshot of the counters and statistics, with the accumulator's facts (:data:`NOW`).
 
         Syncs once if a window closed since the last read.
         """
-        ledger = self._ledger.values(deferred=False)
-        ledger.pop(WINDOW_LOSS.name)  # not a field of the snapshot: see `window_loss`
+        ledger = self._ledger.values()
         self.peak_memory_bytes = self._memory.read()  # the process's peak so far (a file read)
         values = {**ledger, **{name: getattr(self, name) for name in COUNTS}, **now}
         return AccumulationStats(**{n: int(v) if n in INTEGERS else v for n, v in values.items()})
