@@ -857,7 +857,7 @@ def ddp_trainer(*callbacks: pl.Callback, strategy: object = "ddp_spawn", **kwarg
 
 # The demo experiments the package ships (`--config NAME`), whose classes go by short names in either
 # namespace; examples/lm_finetune.yaml names its own (lightning.pytorch), run by tests/test_lm_recipe.py.
-PACKAGED_CONFIGS = ROOT / "src" / "lightning_gradacc" / "configs"
+PACKAGED_CONFIGS = ROOT / "configs"  # the one copy; the wheel ships it as lightning_gradacc/configs
 CONFIGS = sorted(PACKAGED_CONFIGS.glob("*.yaml"))
 QUICK = [  # command-line overrides that keep a config's run short
     "--trainer.max_epochs=2",

@@ -40,7 +40,7 @@ def test_the_wheel_carries_its_license_configs_and_a_description_without_reposit
     shipped = {
         Path(name).stem for name in names if re.fullmatch(r"lightning_gradacc/configs/\w+\.yaml", name)
     }
-    assert shipped == {path.stem for path in (ROOT / "src" / "lightning_gradacc" / "configs").glob("*.yaml")}
+    assert shipped == {path.stem for path in (ROOT / "configs").glob("*.yaml")}
     assert "Classifier: Programming Language :: Python :: 3.10" in metadata
     assert "License-Expression: Apache-2.0" in metadata
     description = metadata.partition("\n\n")[2]

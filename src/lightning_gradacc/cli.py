@@ -131,7 +131,15 @@ _CLASS_OPTIONS = (
     "--lr_scheduler",
 )
 _CONFIG_OPTIONS = ("--config", "-c")
-PACKAGED_CONFIGS = Path(__file__).parent / "configs"  # `--config NAME` (see `packaged_configs`)
+# `--config NAME` (see `packaged_configs`): the wheel's copy, else a checkout's (an editable install)
+PACKAGED_CONFIGS = next(
+    (
+        folder
+        for folder in (Path(__file__).parent / "configs", Path(__file__).parents[2] / "configs")
+        if folder.is_dir()
+    ),
+    Path(__file__).parent / "configs",
+)
 
 
 def _load(text_or_path: str, base: Path) -> tuple[Any, Path] | None:

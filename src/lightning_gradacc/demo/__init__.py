@@ -1,4 +1,4 @@
-"""Small, self-contained experiments for the YAML configs the package ships (``lightning_gradacc/configs``).
+"""Small, self-contained experiments for the YAML configs the package ships (``configs/``).
 
 All data ships with the package or is generated deterministically; nothing is downloaded.
 """
