@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, as one short run: the CUDA-marked tests (DeepSpeed's fp32 and fp16
-# oracles with Lightning's unmodified strategy among them, where deepspeed is installed), then a quick
+# oracles with Lightning's unmodified strategy among them, where deepspeed is installed; torch.compile
+# exact in its default mode and refused with CUDA graphs), then a quick
 # CUDA benchmark.
 # Uses $PYTHON (default: .venv/bin/python if it exists, else python3), which must have a CUDA build of
 # torch and this package's dependencies; results go to ${OUT:-.}/gpu-*.txt/md.

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from . import lightning_internals as internals
+from .core.torch_internals import compiled_with_cuda_graphs, dynamo_context_uses_cuda_graphs
 from .layouts import layout_of
 from .namespaces import CALLBACK_IMPORTS, LightningNamespace, namespace_of
 
@@ -163,6 +164,28 @@ def check_gradient_clip_val(
             f"Both `Trainer(gradient_clip_val={trainer.gradient_clip_val})` and the callback's clipping"
             f" (max_grad_norm={settings.max_grad_norm}, clip_value={settings.clip_value}) are"
             " set: the gradient is clipped twice. Remove `gradient_clip_val` from the Trainer."
+        )
+
+
+def check_cuda_graphs(trainer: pl.Trainer, pl_module: pl.LightningModule, largest_k: int | None) -> None:
+    """Refuse accumulation on CUDA with a compile that captures CUDA graphs.
+
+    Replaying a graph overwrites the gradients the last one returned (pytorch #169545, #181723), so
+    ``.grad`` would not be the window's. On a CPU the same compile captures no graph (inductor skips it
+    there) and runs exactly.
+    """
+    if not _accumulates(largest_k) or trainer.strategy.root_device.type != "cuda":
+        return
+    found = compiled_with_cuda_graphs(pl_module)
+    context = internals.compiled_module_context(pl_module)
+    if found is None and context is not None:
+        reason = dynamo_context_uses_cuda_graphs(context)
+        found = None if reason is None else f"the LightningModule ({reason})"
+    if found is not None:
+        raise RuntimeError(
+            f"{found} is compiled to capture CUDA graphs, which corrupt accumulated gradients: each replay"
+            " overwrites the gradients the previous one returned (pytorch #169545). Accumulating K > 1"
+            " micro-batches needs `torch.compile(mode='default')` or `mode='max-autotune-no-cudagraphs'`."
         )
 
 
@@ -392,6 +415,7 @@ CHECKS: dict[Phase, tuple[Callable[[RunFacts], None], ...]] = {
         lambda f: check_gradient_clip_val(f.api, f.trainer, f.callback.settings),
         lambda f: check_grad_scaler(f.api, f.scaler, f.callback.settings.overflow),
         lambda f: check_driven_precision(f.trainer, f.callback.plan.run.per_window),
+        lambda f: check_cuda_graphs(f.trainer, f.pl_module, _largest_k(f)),
     ),
     "reduction": (
         lambda f: check_sharded_reduction(

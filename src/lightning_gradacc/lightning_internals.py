@@ -249,3 +249,13 @@ def ddp_comm_hook(strategy: Any) -> Any:
     ``DDPStrategy._ddp_comm_hook`` (``strategies/ddp.py``).
     """
     return getattr(strategy, "_ddp_comm_hook", None)
+
+
+def compiled_module_context(pl_module: Any) -> Any:
+    """The dynamo context of a ``torch.compile``-d LightningModule, else ``None``.
+
+    ``Trainer.fit`` unwraps it into the module's ``_compiler_ctx``
+    (``pytorch_lightning/utilities/compile.py``, ``from_compiled``).
+    """
+    context = getattr(pl_module, "_compiler_ctx", None)
+    return context.get("dynamo_ctx") if isinstance(context, dict) else None

@@ -350,3 +350,97 @@ def disarm(optimizer: Any) -> None:
     for name in ARMED:
         if name in vars(optimizer):
             delattr(optimizer, name)
+
+
+# ----------------------------------------------------------------------------------- torch.compile
+
+_CUDA_GRAPH_BACKENDS = ("cudagraphs",)  # torch._dynamo's backend that captures CUDA graphs itself
+
+
+def _innermost_backend(callback: Any) -> Any:
+    """The compiler behind a dynamo callback.
+
+    Its wrappers link inward by ``_torchdynamo_orig_backend`` (torch 2.9 on) or
+    ``_torchdynamo_orig_callable`` (before).
+    """
+    backend = callback
+    for _ in range(32):
+        inner = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(
+            backend, "_torchdynamo_orig_callable", None
+        )
+        if inner is None or inner is backend:
+            break
+        backend = inner
+    return backend
+
+
+def _backend_uses_cuda_graphs(backend: Any) -> str | None:
+    """What makes a compiler capture CUDA graphs, else ``None``.
+
+    Inductor's ``triton.cudagraphs`` (``mode="reduce-overhead"`` or ``"max-autotune"`` set it in
+    ``_TorchCompileInductorWrapper.config``; else the global config) or the ``cudagraphs`` backend
+    (``_TorchCompileWrapper.compiler_name``).
+    """
+    config = getattr(backend, "config", None)
+    if isinstance(config, dict):
+        if "triton.cudagraphs" in config:
+            return (
+                "triton.cudagraphs=True (mode='reduce-overhead' or 'max-autotune')"
+                if config["triton.cudagraphs"]
+                else None
+            )
+        import torch._inductor.config as inductor_config
+
+        return "torch._inductor.config.triton.cudagraphs=True" if inductor_config.triton.cudagraphs else None
+    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None)
+    return f"backend={name!r}" if name in _CUDA_GRAPH_BACKENDS else None
+
+
+def dynamo_context_uses_cuda_graphs(context: Any) -> str | None:
+    """What makes a dynamo context capture CUDA graphs, else ``None``.
+
+    The context of ``OptimizedModule.dynamo_ctx``, or Lightning's ``dynamo_ctx`` of a compiled module.
+    """
+    callback = getattr(context, "callback", None)
+    if callback is None or callback is False:  # `torch._dynamo.disable()` and `run()` contexts
+        return None
+    return _backend_uses_cuda_graphs(_innermost_backend(callback))
+
+
+def _compiled_function_context(function: Any) -> Any:
+    """The dynamo context of ``torch.compile(function)``.
+
+    ``nn.Module.compile``'s ``_compiled_call_impl`` keeps it only in its closure (as ``self``).
+    """
+    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None)
+    if code is None or not cells:
+        return None
+    for name, cell in zip(code.co_freevars, cells, strict=False):
+        if name == "self":
+            try:
+                return cell.cell_contents
+            except ValueError:
+                return None
+    return None
+
+
+def compiled_with_cuda_graphs(module: torch.nn.Module) -> str | None:
+    """Where ``module`` or a submodule was compiled to capture CUDA graphs, and by what; else ``None``.
+
+    ``torch.compile(module)`` (an ``OptimizedModule``, also as a submodule) and ``module.compile()``; a
+    global inductor setting changed after this reads it is not seen (compilation is lazy).
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for name, submodule in module.named_modules():
+        where = name or type(module).__name__
+        attributes = vars(submodule)  # not through OptimizedModule's __getattr__
+        found = None
+        if isinstance(submodule, OptimizedModule):
+            found = dynamo_context_uses_cuda_graphs(attributes.get("dynamo_ctx"))
+        compiled_call = attributes.get("_compiled_call_impl")
+        if found is None and compiled_call is not None:
+            found = dynamo_context_uses_cuda_graphs(_compiled_function_context(compiled_call))
+        if found is not None:
+            return f"`{where}` ({found})"
+    return None
