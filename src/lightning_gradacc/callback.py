@@ -641,6 +641,11 @@ class GradientAccumulationLogic(_LogicBase):
         self.plan.end_fit(trainer)
 
     @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and not self._trained:  # e.g. `Tuner.scale_batch_size` ended it at fit start
+            self.plan.untrained(trainer)
+
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._reports_checkpoint:
             return

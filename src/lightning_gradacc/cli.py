@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -78,6 +79,13 @@ class _GradAccCLI:
             callbacks.insert(0, self.callback_class())  # adopts `trainer.accumulate_grad_batches`
         return trainer
 
+    def init_parser(self, **kwargs: Any) -> Any:
+        """LightningCLI's parser, whose help does not offer the callbacks the command refuses."""
+        parser = super().init_parser(**kwargs)  # type: ignore[misc]
+        formatted = parser.format_help
+        parser.format_help = lambda: without_refused_callbacks(formatted())
+        return parser
+
     def after_fit(self) -> None:
         """Print the summary table of the run's ``GradientAccumulationCallback`` (on global rank 0)."""
         trainer = self.trainer
@@ -85,6 +93,27 @@ class _GradAccCLI:
         if callback is None or not trainer.is_global_zero:
             return
         print(callback.summary(), flush=True)
+
+
+# Callbacks the command refuses (`instantiate_trainer`), which jsonargparse lists among the known subclasses
+_REFUSED_CALLBACKS = tuple(
+    f"{package}.callbacks.GradientAccumulationScheduler"
+    for package in ("pytorch_lightning", "lightning.pytorch")
+)
+
+
+def without_refused_callbacks(help_text: str) -> str:
+    """``help_text`` without the refused callbacks in its lists of known classes (wrapped lines included).
+
+    Example:
+        >>> wrapped = "a.Timer, pytorch_lightning.callbacks.Gradient" + chr(10) + "  AccumulationScheduler, b"
+        >>> without_refused_callbacks(wrapped)
+        'a.Timer, b'
+    """
+    for name in _REFUSED_CALLBACKS:
+        wrapped = r"(?:\n\s*)?".join(re.escape(char) for char in name)  # the help wraps inside names
+        help_text = re.sub(rf"{wrapped},?\s*", "", help_text)
+    return help_text
 
 
 @cache

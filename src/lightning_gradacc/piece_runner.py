@@ -170,6 +170,15 @@ class PieceRunner:
         self._world_size = trainer.world_size
         self._checked = False
         self._warn, self._lightning_k = warn, lightning_k
+        mixing = items_mixed_in_forward(trainer.lightning_module)
+        if mixing is not None:
+            warn(
+                f"`piece_size={self.setting!r}` runs each batch as pieces, but `{mixing}` normalizes over the"
+                " items of its forward (BatchNorm in training mode): each piece is normalized by its own"
+                " statistics, so the forward, and the gradient, are not the whole batch's. Pieces are exact"
+                " for forwards that treat each item on its own (LayerNorm, GroupNorm, BatchNorm in eval"
+                " mode); a loss over pairs of items in the batch (in-batch negatives) is not either."
+            )
         self._announced = self.counters.size
         self.counters.new_retries = 0
         self.counters.allocator_retries = self._allocator_retries() or 0
@@ -478,6 +487,31 @@ class PieceRunner:
             self.counters.size = (min(self.counters.size or self._last_largest, self._last_largest) + 1) // 2
             return True
         return False
+
+
+_BATCH_NORMS = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.SyncBatchNorm,
+    torch.nn.LazyBatchNorm1d,
+    torch.nn.LazyBatchNorm2d,
+    torch.nn.LazyBatchNorm3d,
+)
+
+
+def items_mixed_in_forward(module: torch.nn.Module) -> str | None:
+    """The name of a submodule whose training forward mixes the items of its batch (a BatchNorm), if any.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+        >>> items_mixed_in_forward(net), items_mixed_in_forward(net.eval())
+        ('1', None)
+    """
+    for name, submodule in module.named_modules():
+        if isinstance(submodule, _BATCH_NORMS) and submodule.training:
+            return name or type(submodule).__name__
+    return None
 
 
 def _ignore(message: str) -> None:

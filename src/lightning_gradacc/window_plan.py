@@ -481,6 +481,16 @@ class WindowPlan:
             trainer.accumulate_grad_batches = self._user_k
             self._written = self._user_k
 
+    def untrained(self, trainer: pl.Trainer) -> None:
+        """The fit ended before training started: the user's ``accumulate_grad_batches`` goes back.
+
+        ``Tuner.scale_batch_size`` ends its fit in ``on_fit_start``, after ``setup`` wrote K; nothing was
+        accumulated, and the Trainer must read as the user left it (as with Lightning's scheduler, which
+        writes K only when an epoch starts).
+        """
+        if self._user_k is not None and trainer.accumulate_grad_batches == self._written:
+            trainer.accumulate_grad_batches = self._written = self._user_k
+
     def interrupted(self) -> None:
         """The fit raised: the learning-rate hooks go; the position stays for a checkpoint saved after."""
         for handle in self._hooks:

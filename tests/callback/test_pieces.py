@@ -692,3 +692,19 @@ def test_an_empty_window_logs_its_declared_norm_not_the_last_window_s() -> None:
     norms = [v for _, v in recorder.series("grad_accum/last_grad_norm")]
     empty = [v for _, v in recorder.series("grad_accum/empty_windows")]
     assert empty == [0, 1, 1, 1, 1] and norms[0] > 0 and norms[1] == 0 and norms[2] > 0
+
+
+def test_a_batch_norm_in_training_mode_is_warned_of_since_pieces_change_its_forward() -> None:
+    """BatchNorm normalizes by the statistics of the items of its forward: in pieces of 3 of 6 each piece
+    has its own, and the step is not the whole batch's. The user is told at train start, naming it."""
+    data = h.regression_data(24)
+
+    def module() -> OomModule:
+        bn = OomModule(data, batch_size=6)
+        bn.net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+        return bn
+
+    with pytest.warns(UserWarning, match=r"`net.1` normalizes over the items of its forward \(BatchNorm"):
+        pieces = fit(module(), GradientAccumulationCallback(2, piece_size=3))
+    whole = fit(module(), GradientAccumulationCallback(2))
+    assert h.max_abs_diff(pieces.lightning_module.net, whole.lightning_module.net) > 1e-2  # what it warns of

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from lightning_gradacc import GradientAccumulationCallback
-from lightning_gradacc.cli import build_cli
+from lightning_gradacc.cli import build_cli, main
 from lightning_gradacc.core.settings import parse_threshold
 from lightning_gradacc.counters import TokenCounter, count_predicted_tokens, count_tokens
 from lightning_gradacc.k_policies import AutoK, AutoSettings
@@ -271,3 +271,18 @@ def test_piece_size_comes_from_the_command_line_and_the_run_trains(
     assert callback.piece_size == ("auto" if "auto" in override[0] else 8)
     assert callback.split_fn in (None, split_batch)
     assert callback.stats.windows > 0 and callback.metrics()["grad_accum/piece_size"] > 0
+
+
+@pytest.mark.parametrize("namespace", ["pytorch_lightning", "lightning"])
+def test_fit_help_does_not_offer_the_callbacks_the_command_refuses(
+    namespace: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's ``GradientAccumulationScheduler`` is refused beside the callback: the help does not list
+    it among the callbacks ``--trainer.callbacks`` accepts (the others stay)."""
+    with pytest.raises(SystemExit) as exit_:
+        monkeypatch.setattr(sys, "argv", ["lightning-gradacc", "--namespace", namespace, "fit", "--help"])
+        main()
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "EarlyStopping" in out and "LearningRateMonitor" in out
+    assert "AccumulationScheduler" not in out.replace(" ", "")
