@@ -110,4 +110,4 @@ class CountingCallback(GradientAccumulationCallback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         with self.counter.counting():
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self.per_batch.append((self._batch.finalized, len(self.counter.calls) - self._calls_at_start))
+        self.per_batch.append((self._fit.batch.finalized, len(self.counter.calls) - self._calls_at_start))

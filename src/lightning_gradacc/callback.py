@@ -17,7 +17,6 @@ has the one for ``lightning.pytorch``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import pytorch_lightning as pl
@@ -28,22 +27,24 @@ from typing_extensions import override
 from . import compatibility as compat
 from . import lightning_internals as internals
 from .batch_pieces import SplitFn, check_split_fn
-from .core import AccumulationStats, GradAccumulator
+from .core import AccumulationStats
 from .core.settings import SETTINGS, AccumulationSettings, with_setting_docs
-from .core.torch_internals import disarm
 from .core.versions import LIGHTNING_FLOOR, require
-from .counters import check_item_count_fn, count_micro_batch
-from .engine_window import EngineWindow
-from .fit_accumulator import ParameterGroups, SavedState, build_accumulator
+from .counters import check_item_count_fn
+from .fit_accumulator import SavedState
 from .k_policies import AutoSettings, make_policy
-from .layouts import Layout, layout_of
+from .layouts import layout_of
 from .lr_schedule import TokenSchedule, make_schedule
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
+from .parts import Fit, Parts, assemble
+from .parts.reporting import ReportingPart
+from .parts.window import WindowPart
 from .piece_runner import PieceRunner, check_piece_size
 from .reduction import WindowReduction, check_reduction
 from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from here too
 from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
-from .reporting import SkipWarnings, format_summary, monitors_statistics, step_metrics, with_parts
+from .reporting import format_summary, with_parts
+from .window_driver import WindowDriver
 from .window_plan import WindowPlan
 
 require("pytorch-lightning", LIGHTNING_FLOOR)
@@ -57,19 +58,6 @@ else:
 
 # Returns a number or a Tensor. Annotated Any: jsonargparse rejects a function returning `int` for a union.
 ItemCountFn = Callable[[Any], Any]
-
-
-@dataclass(slots=True)
-class _Batch:
-    """What the callback knows of the current micro-batch: ``on_train_batch_start`` starts a fresh one."""
-
-    items: Any = None  # its item count (a number or a tensor); None: unknown
-    label: str = ""  # what `items` is, for the core's messages
-    error: str | None = None  # why `items` is unknown, raised at the boundary (on every rank together)
-    backward_ran: bool = False  # False: `training_step` returned None
-    recorded: bool = False  # recorded in the window, the batch not ended: a save now is mid-batch
-    finalized: bool = False  # the window was finalized (stepped or skipped) in it; LBFGS may re-evaluate
-    ended: bool = False  # `on_train_batch_end` ran: a save now is between batches
 
 
 def estimated_stepping_batches(trainer: pl.Trainer, *, most: bool = False) -> int | float:
@@ -215,34 +203,26 @@ class GradientAccumulationLogic(_LogicBase):
                 f"`oom_snapshot=True` has an effect only with `piece_size='auto'`, but got"
                 f" `piece_size={self.piece_size!r}`."
             )
-        self._pieces = (
+        self._runner = (  # kept over fits: "auto" goes on at the size reached
             None
             if self.piece_size is None
             else PieceRunner(self.piece_size, split_fn=self.split_fn, snapshot=oom_snapshot)
         )
-
         self._stage: str | None = None  # the stage of the last `setup`
-        self._accumulator: GradAccumulator | EngineWindow | None = None
-        self._engine: EngineWindow | None = None  # the accumulator, where the strategy's engine accumulates
-        self._saved = SavedState()  # a checkpoint's state, until the next accumulator takes it
-        self._scaler: torch.amp.GradScaler | None = None  # the fit's, set in `setup`
-        self._groups = ParameterGroups()  # the optimizers' parameter groups the accumulator tracks
-        self._layout: Layout = (
-            Layout()
-        )  # what the strategy means for the gradients: the fit's, set at train start
-        self._sync = WindowReduction()  # which backward reduces over the ranks: the fit's, set at train start
-        self._asks_last = False  # whether a backward must know that it ends the window (set at train start)
-        self._batch = _Batch(ended=True)
-        self._paused_clipping: internals.PausedClipping | None = None  # Lightning's, until the batch ends
-        self._skips = SkipWarnings()
-        self._grads_read_before_step = True  # by a hook after this callback's: set at train start
-        self._stepped_on_device = False  # a step of this fit was decided on the device
-        self._warned_of_counts = False  # a count warning is shown once
-        self._labels_checked = False  # the labels of "weighted" without a counter: read once (a host read)
-        self._monitored = False  # a callback monitors a `grad_accum/` key: read the statistics every step
+        self._saved = SavedState()  # a checkpoint's state, until the next driver takes it
+        self._driver: WindowDriver | None = None  # the window driver of the current (or last) fit
+        self._fit: Fit | None = None  # what the parts of the current (or last) fit share
+        self._parts = Parts([])  # the parts of the current (or last) fit, from train start
+        self._reporting: ReportingPart | None = None
         self._log_dir: str | None = None  # the last fit's logger's, for `summary()`
         self._trained = False  # training started in the current fit (`on_train_start`)
         self._accumulate_in_backward = True  # buffers filled inside the backward (False: after; benchmarks)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles (``ddp_spawn``) without the last fit's Trainer: its driver's counters go on."""
+        state = self.__dict__.copy()
+        state.update(_fit=None, _parts=Parts([]), _reporting=None)
+        return state
 
     # ------------------------------------------------------------------------------------ reporting
 
@@ -252,20 +232,21 @@ class GradientAccumulationLogic(_LogicBase):
 
         The same values as the logged ones, the parts' (learning-rate factor, ``"auto"``, pieces) included.
         """
+        driver = self.accumulator
         if self._reports_checkpoint:
             stats = self._saved.stats(self.plan.accumulation_steps)
-        elif self._accumulator is not None:
-            stats = self._accumulator.stats
+        elif driver is not None:
+            stats = driver.stats
         else:
             stats = AccumulationStats(accumulation_steps=self.plan.accumulation_steps)
-        return with_parts(stats, self._part_values())
-
-    def _part_values(self) -> dict[str, float]:
-        """The values the fit's parts keep, by their names in ``AccumulationStats``."""
         values = self.plan.metrics()
-        if self._pieces is not None:
-            values.update(self._pieces.metrics())
-        return values
+        if self._runner is not None:  # kept over fits, as the plan is
+            values.update(self._runner.metrics())
+        return with_parts(stats, values)
+
+    def metrics(self) -> dict[str, float]:
+        """The scalars logged under ``grad_accum/`` (:func:`~lightning_gradacc.reporting.step_metrics`)."""
+        return {} if self._reporting is None else self._reporting.metrics()
 
     def summary(self) -> str:
         """The statistics of the last fit as the table ``lightning-gradacc fit`` prints (for scripts).
@@ -287,13 +268,14 @@ class GradientAccumulationLogic(_LogicBase):
         return self.plan.items_consumed
 
     @property
-    def accumulator(self) -> GradAccumulator | EngineWindow | None:
-        """The accumulator of the current run (``None`` before training starts).
+    def accumulator(self) -> WindowDriver | None:
+        """The window driver of the current run (``None`` before training starts).
 
-        The core's, or under DeepSpeed the engine's driver
-        (:class:`~lightning_gradacc.engine_window.EngineWindow`).
+        The core's accumulator, or under DeepSpeed the engine's window
+        (:class:`~lightning_gradacc.engine_window.EngineWindow`): both are
+        :class:`~lightning_gradacc.window_driver.WindowDriver`.
         """
-        return self._accumulator
+        return self._driver
 
     def estimated_stepping_batches(self, trainer: pl.Trainer, *, most: bool = False) -> int | float:
         """The exact number of optimizer steps of this fit, following the epoch schedule if there is one.
@@ -316,15 +298,17 @@ class GradientAccumulationLogic(_LogicBase):
             return
         self._trained = False
         self._verify("configuration", trainer, pl_module)
-        if self._accumulator is not None and not self._accumulator.window.empty:
+        driver = self.accumulator
+        if driver is not None and not driver.window.empty:
             # the last fit raised inside a window: it can never be stepped, and any K may follow
-            self._accumulator.reset(set_grads_to_none=True)
+            driver.reset(set_grads_to_none=True)
         self.plan.start_fit(trainer, self._api.rank_zero_warn)
         # a strategy that accumulates itself: Lightning steps at an epoch's end only where `ready % K == 0`
         self.plan.closes_epoch_tail = bool(trainer.strategy.handles_gradient_accumulation)
-        self._scaler = internals.grad_scaler(trainer)
-        self._verify("setup", trainer, pl_module)
-        layout_of(self._api, trainer).prepare(  # before the strategy's setup reads its configuration
+        scaler = internals.grad_scaler(trainer)
+        self._verify("setup", trainer, pl_module, scaler)
+        layout = layout_of(self._api, trainer)
+        layout.prepare(  # before the strategy's setup reads its configuration
             trainer,
             self.settings,
             chosen=self.chosen,
@@ -332,43 +316,62 @@ class GradientAccumulationLogic(_LogicBase):
             sharded_reduction=self.sharded_reduction,
             warn=self._api.rank_zero_warn,
         )
+        self._fit = Fit(trainer, pl_module, self._api, layout, scaler=scaler, verify=self._verifier())
         self._go_first(trainer)
 
-    def _verify(self, phase: compat.Phase, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _verifier(self) -> Callable[[str], None]:
+        def verify(phase: str) -> None:
+            fit = self._fit
+            assert fit is not None
+            self._verify(phase, fit.trainer, fit.pl_module, fit.scaler, fit.sync)  # type: ignore[arg-type]
+
+        return verify
+
+    def _verify(
+        self,
+        phase: compat.Phase,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        scaler: torch.amp.GradScaler | None = None,
+        sync: WindowReduction | None = None,
+    ) -> None:
         """Run the checks of ``phase`` (``compatibility.CHECKS``) over this fit's facts."""
         facts = compat.RunFacts(
-            self._api, trainer, pl_module, self, GradientAccumulationLogic, self._scaler, self._sync
+            self._api, trainer, pl_module, self, GradientAccumulationLogic, scaler, sync or WindowReduction()
         )
         compat.verify(phase, facts)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert trainer.model is not None
+        assert trainer.model is not None and self._fit is not None
         self._trained = True
-        self._layout = layout_of(self._api, trainer)
-        try:
-            self._sync = self._layout.reduction(
-                trainer, reduction=self.sharded_reduction, per_micro_batch=self.settings.per_micro_batch
-            )
-        except ValueError as error:
-            raise RuntimeError(str(error)) from None
-        self._verify("reduction", trainer, pl_module)
-        self._build_accumulator(trainer, pl_module)
-        if self._pieces is not None:
-            self._pieces.install(
-                trainer,
-                self._accumulator,
-                count=self.item_count_fn,
-                extract=self._api.extract_batch_size,
-                warn=self._api.rank_zero_warn,
-                lightning_k=self.plan.lightning_k,
-            )
-        self._monitored = monitors_statistics(trainer.callbacks)  # type: ignore[attr-defined]
-        self._verify("train_start", trainer, pl_module)
-        if self._sync.core_reduces:
-            self._sync.start()
-        self._grads_read_before_step = compat.grads_read_before_step(self._api, trainer, pl_module, self)
-        self._stepped_on_device = False
+        fit = self._fit
+        fit.discard = self._discard
+        window = WindowPart(
+            fit,
+            plan=self.plan,
+            settings=self.settings,
+            saved=self._saved,
+            previous=self._driver,  # the last fit's: its counters go on where no checkpoint is loaded
+            sharded_reduction=self.sharded_reduction,
+            item_count_fn=self.item_count_fn,
+            in_backward=self._accumulate_in_backward,
+        )
+        window.train_start()  # the reduction and the driver: what decides the other parts
+        self._driver = fit.driver
+        parts, self._reporting = assemble(
+            fit,
+            window,
+            runner=self._runner,
+            item_count_fn=self.item_count_fn,
+            callback=self,
+            log_stats=self.log_stats,
+        )
+        self._parts = Parts(parts)
+        for hook in self._parts.train_start[1:]:  # the window's ran
+            hook()
+        self._verify("train_start", trainer, pl_module, fit.scaler, fit.sync)
+        fit.stepped_on_device = False
         self._go_first(trainer)  # again: another callback may have moved itself in its own `setup`
 
     def _go_first(self, trainer: pl.Trainer) -> None:
@@ -377,268 +380,68 @@ class GradientAccumulationLogic(_LogicBase):
         if callbacks and callbacks[0] is not self:  # a new list: Lightning may be iterating over the old one
             trainer.callbacks = [self, *(c for c in callbacks if c is not self)]  # type: ignore[attr-defined]
 
-    def _build_accumulator(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        previous = self._accumulator
-        if previous is not None:
-            previous.remove_hooks()  # its noise-scale hook must not keep measuring
-        accumulator: GradAccumulator | EngineWindow
-        if self._layout.engine_accumulates:  # the engine keeps the window: the callback drives it
-            accumulator = self._layout.engine_window(trainer, self.settings)
-        else:
-            accumulator = build_accumulator(
-                trainer,
-                pl_module,
-                settings=self.settings,
-                grad_scaler=self._scaler,
-                reduction=self._sync,
-                sharded_model=self._layout.sharded_model(trainer, self._sync),
-                in_backward=self._accumulate_in_backward,
-            )
-        self._groups.tracked(trainer)
-        try:  # K and the loss scale first: a restored window's sums are rescaled to them
-            self.plan.attach(trainer, accumulator, self._api.rank_zero_warn)
-            # lifetime counters survive a second `fit()` and a resume from a checkpoint
-            self._saved.restore(accumulator, previous, primary=trainer.global_rank == 0)
-        except BaseException:
-            accumulator.remove_hooks()  # it will never be used: its noise-scale hooks must not stay
-            raise
-        self._engine = accumulator if isinstance(accumulator, EngineWindow) else None
-        restored_inside = self.plan.position.batches_in_window
-        if self._engine is not None and restored_inside:
-            self._engine.lost(restored_inside)
-            self._api.rank_zero_warn(
-                f"Resumed inside a window under DeepSpeed: the gradients of its first {restored_inside}"
-                " micro-batch(es) are in no DeepSpeed checkpoint, so this window steps on its remaining"
-                " micro-batches alone (normalized over them). Checkpoints taken at a window's end resume"
-                " exactly."
-            )
-        self._accumulator = accumulator
-        # FSDP reducing at the window's end, or the core flushing its buffers for DDP or a GradScaler
-        self._asks_last = self._sync.defers or accumulator.uses_last
-        self._skips.seen = accumulator.stats.skipped_steps
+    def _discard(self, why: str) -> None:
+        """Drop an open window that can no longer end in a step: windows never merge."""
+        fit = self._fit
+        assert fit is not None and fit.driver is not None
+        fit.warn(
+            f"A window of {fit.driver.window.micro_batches} micro-batch(es) never reached its optimizer step"
+            f" ({why}); its gradients are discarded so that it does not leak into the next window (global"
+            f" step {fit.trainer.global_step})."
+        )
+        for hook in self._parts.window_discarded:
+            hook()
+
+    # ------------------------------------------------------------- the hooks: loops over the fit's parts
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._accumulator is not None and not self._accumulator.window.empty:
-            self._discard_window(
-                trainer, "the previous epoch ended inside it, e.g. `on_train_batch_start` returned -1"
-            )
-        self.plan.epoch_start(trainer)
-
-    def _discard_window(self, trainer: pl.Trainer, why: str) -> None:
-        """Drop an open window that can no longer end in a step: windows never merge."""
-        assert self._accumulator is not None
-        self._api.rank_zero_warn(
-            f"A window of {self._accumulator.window.micro_batches} micro-batch(es) never reached its"
-            f" optimizer step ({why}); its gradients are discarded so that it does not leak into the next"
-            f" window (global step {trainer.global_step})."
-        )
-        self._accumulator.reset(set_grads_to_none=True)
-        self._sync.drop_unsynced()  # and what FSDP holds unsynced (`sharded_reduction="window_end"`)
-        self.plan.window_abandoned()
-
-    # --------------------------------------------------------------------------------- per micro-batch
+        for hook in self._parts.epoch_start:
+            hook()
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        accumulator = self._accumulator
-        assert accumulator is not None
-        self._batch = current = _Batch()
-        if accumulator.window.empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the
-            self._groups.follow(trainer, pl_module, accumulator)  # window measures the new set from its start
-        self.plan.batch_start(trainer)  # a window opening here gets its K
-        lightning_zeroes = self.plan.lightning_zeroes(trainer, batch_idx)
-        if not internals.backward_skipped(trainer):
-            if not accumulator.window.empty and lightning_zeroes:
-                self._discard_window(trainer, f"Lightning starts a new window at batch {batch_idx}")
-                self.plan.batch_start(trainer)  # which this batch opens
-            elif accumulator.window.empty and not lightning_zeroes:
-                # A window opening where Lightning does not zero the gradients (the batch before was None
-                # from the dataloader, which skips every hook): it must not start from the last one's.
-                accumulator.reset(set_grads_to_none=True)
-        if self._engine is not None:  # before the forward, of the window this batch is in (after a discard)
-            self._engine.batch_start()
-        weighted = self.settings.mode.weighted
-        extract, check_labels = self._api.extract_batch_size, not self._labels_checked
-        counted = count_micro_batch(batch, batch_idx, self.item_count_fn, weighted, extract, check_labels)
-        current.items, current.label, current.error = counted.items, counted.label, counted.error
-        self._labels_checked = self._labels_checked or weighted
-        if self._pieces is not None:
-            self._pieces.begin_batch(batch, counted.items)
-        if counted.warning is not None and not self._warned_of_counts:
-            self._warned_of_counts = True
-            self._api.rank_zero_warn(counted.warning)
+        for hook in self._parts.batch_start:
+            hook(batch, batch_idx)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        accumulator, current = self._accumulator, self._batch
-        assert accumulator is not None
-        # whether this backward ends the window, asked only where it matters (a private Lightning call)
-        last = self._asks_last and not internals.should_accumulate(trainer)
-        # `loss` is the tensor that is back-propagated: Lightning's L / K, times the AMP scale under 16-mixed,
-        # weighed here in place (the core divides K and the AMP scale out once per window)
-        pieces = self._pieces
-        accumulator.begin_micro_batch(
-            loss,
-            current.items,
-            last=last,
-            label=current.label,
-            error=current.error,
-            in_place=True,
-            share=1.0 if pieces is not None and pieces.in_pieces else None,  # the runner weighs the pieces
-            hold_in_grad=pieces is not None and pieces.auto,  # "auto" may drop them after an error
-        )
-        self._sync.before_backward(last)  # "window_end": FSDP reduces the window's last backward only
+        for hook in self._parts.before_backward:
+            hook(loss)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        accumulator, current = self._accumulator, self._batch
-        assert accumulator is not None
-        self._sync.after_backward()
-        self._groups.follow(trainer, pl_module, accumulator)  # a group added or changed since the last look
-        accumulator.end_micro_batch(reevaluation=current.finalized)
-        current.recorded = True  # until `on_train_batch_end`: a save now is mid-batch
-        current.backward_ran = True
-
-    # ---------------------------------------------------------------------------------------- boundary
+        for hook in self._parts.after_backward:  # in reverse (as contexts exit): the reduction's first
+            hook()
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        accumulator, current, scaler = self._accumulator, self._batch, self._scaler
-        assert accumulator is not None
-        engine = self._engine
-        if engine is not None:  # called every micro-batch: the engine steps at its end
-            if not internals.should_accumulate(trainer) and not current.finalized:
-                engine.end_window()
-                self.plan.window_closed(engine)
-                current.finalized = True
-            return
-        self._groups.follow(trainer, pl_module, accumulator)
-        if not current.backward_ran and not accumulator.window.empty:
-            self._verify("window_end", trainer, pl_module)
-        # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned
-        # None: the window's earlier micro-batches would be dropped. The callback steps it itself.
-        steps_itself = (
-            scaler is not None
-            and not current.backward_ran
-            and not accumulator.window.empty
-            and not current.finalized
-        )
-        # The scaler unscales here where Lightning did not: a window the callback steps itself, and a fused
-        # optimizer (Lightning leaves the AMP scale in for it, which the norm and clipping must not see; the
-        # scaler's step then only skips on its `found_inf`). Logged at this batch's end: the statistics then
-        # come along in the step's one sync.
-        stepped = accumulator.end_window(
-            optimizer,
-            unscale=steps_itself or (current.backward_ran and not internals.lightning_unscales(optimizer)),
-            fold_multiplier=not self._grads_read_before_step,
-            reevaluation=current.finalized,
-            read_statistics=self.log_stats and internals.logs_this_step(trainer),
-        )
-        self._stepped_on_device = self._stepped_on_device or accumulator.device_step is not None
-        if not current.finalized:  # items: the window's, over ranks (read if the policy counts them)
-            self.plan.window_closed(accumulator)
-        current.finalized = True
-        self._sync.after_step()
-        if steps_itself:
-            assert scaler is not None
-            if stepped:  # Lightning's clipping (and the module's hook), before the step it would miss
-                internals.clip_as_lightning(trainer, pl_module, optimizer)
-            scaler.step(optimizer)
-            scaler.update()
-        elif stepped:
-            return
-        if not stepped:  # `skipped_steps` syncs, on this rare path only
-            self._skips.update(accumulator.stats.skipped_steps, trainer.global_step, self._api.rank_zero_warn)
-        # Lightning clips after this hook (`gradient_clip_val`, or `configure_gradient_clipping`): by value
-        # it crashes on a list with no gradient at all, and a window the callback stepped itself
-        # was clipped before its step. Both go through the precision plugin, paused until the batch ends.
-        paused = self._paused_clipping
-        if paused is None or paused.plugin is not trainer.precision_plugin:
-            self._paused_clipping = internals.pause_clipping(trainer.precision_plugin)
+        for hook in self._parts.window_end:
+            hook(optimizer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._batch.recorded, self._batch.ended = False, True
-        if self._pieces is not None:
-            self._pieces.end_batch(outputs)
-        if not self._batch.finalized:
-            return
-        self._resume_clipping()
-        engine = self._engine
-        if engine is not None:  # its norm and fp16 overflows, known after its step
-            engine.after_step()
-            self._skips.update(engine.stats.skipped_steps, trainer.global_step, self._api.rank_zero_warn)
-        if self.log_stats and internals.logs_this_step(trainer):
-            # to the loggers and `callback_metrics` (`ddp_spawn` returns these, `ModelCheckpoint` reads them)
-            logged = self.metrics()
-            internals.log_step_metrics(trainer, logged)
-            if self._stepped_on_device and logged:  # skipped on the device (or by an engine): counted here
-                skipped = int(logged["grad_accum/skipped_steps"])
-                self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)
-        elif self.log_stats and self._monitored:  # `callback_metrics` at every step for a monitor (0.3 ms)
-            internals.log_step_metrics(trainer, self.metrics(), to_loggers=False)
-
-    def metrics(self) -> dict[str, float]:
-        """The scalars logged under ``grad_accum/`` (:func:`~lightning_gradacc.reporting.step_metrics`)."""
-        engine, accumulator = self._engine, self._accumulator
-        if accumulator is None:
-            return {}
-        parts = self._part_values()
-        return step_metrics(
-            with_parts(accumulator.stats, parts),
-            noise_scale=self.settings.noise_scale,
-            parts=parts,
-            absent=engine.absent if engine is not None else frozenset(),
-        )
-
-    def _resume_clipping(self) -> None:
-        paused, self._paused_clipping = self._paused_clipping, None
-        if paused is not None:
-            paused.resume()
+        for hook in self._parts.batch_end:
+            hook(outputs)
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._resume_clipping()
-        if self._pieces is not None:
-            self._pieces.uninstall()
-        self.plan.interrupted()  # its position stays for a checkpoint saved after this hook
-        for optimizer in trainer.optimizers:  # a device step armed for a step that never came
-            disarm(optimizer)
-        if self._accumulator is not None:  # its open window stays for a checkpoint saved after this hook
-            self._accumulator.remove_hooks()  # (`OnExceptionCheckpoint`); the next `fit` discards it
-        # With sync off FSDP keeps a window's gradients unsharded inside itself, where neither `zero_grad`
-        # nor the next window would clear them: the next synced backward would add them in.
-        self._sync.end(discard=True)
+        for hook in self._parts.exception:  # the open window stays for a checkpoint saved after
+            hook()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log_dir = trainer.logger.log_dir if trainer.logger is not None else None
-        if self._pieces is not None:
-            self._pieces.uninstall()
-        self._sync.end(discard=self._accumulator is not None and not self._accumulator.window.empty)
-        if self._accumulator is not None and not self._accumulator.window.empty:
-            self._api.rank_zero_warn(
-                f"Training ended inside a window: {self._accumulator.window.micro_batches} micro-batch(es)"
-                " were back-propagated but never stepped; their gradients are discarded."
-            )
-            self._accumulator.reset(set_grads_to_none=True)
-        if self._accumulator is not None:
-            self._accumulator.remove_hooks()
-            if self.log_stats:  # the last statistics, also where no logging step came (a short run)
-                internals.log_step_metrics(trainer, self.metrics(), to_loggers=False)
-            if self._stepped_on_device:  # the last steps' skips, and invalid counts held on the device
-                skipped = self._accumulator.stats.skipped_steps
-                self._skips.update(skipped, trainer.global_step, self._api.rank_zero_warn, late=True)
-        self.plan.end_fit(trainer)
+        for hook in self._parts.train_end:  # in reverse: the window, and the plan's fit, end last
+            hook()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -664,37 +467,29 @@ class GradientAccumulationLogic(_LogicBase):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """Counters and the open window, if any (plain tensors and numbers: ``weights_only=True`` loads it).
+        """Every part's state, by name (plain tensors and numbers: ``weights_only=True`` loads it).
 
-        Under DDP this sums the open window over ranks (every rank takes part, as in every Lightning save).
+        Under DDP the open window is summed over the ranks, the agreed numbers are checked equal and the
+        others reduced (every rank takes part, as in every Lightning save).
         """
-        warn = self._api.rank_zero_warn
-        batch = self._batch
-        engine = self._engine
-        if engine is not None and not engine.window.empty:
-            warn(
-                "This checkpoint is taken inside a window of"
-                f" {engine.window.micro_batches} micro-batch(es) under DeepSpeed, whose checkpoint holds"
-                " no accumulated gradients: a resume from it steps that window on its remaining"
-                " micro-batches alone. Save at a window's end"
-                " (`ModelCheckpoint(every_n_train_steps=...)`) to resume exactly."
-            )
-        entry = SavedState.save(
-            self._accumulator, mid_batch=batch.recorded, in_batch=not batch.ended, warn=warn
-        )
-        entry["plan"] = self.plan.state_dict()  # where training stands, inside a window too
-        if self._pieces is not None:  # the size that fits: a resume does not run out of memory again
-            entry["pieces"] = self._pieces.counters.state_dict()
-        return entry
+        fit = self._fit
+        if fit is None or fit.driver is None or not self._parts.parts:  # no fit trained here: the plan alone
+            entry = SavedState.save(None, mid_batch=False, warn=self._api.rank_zero_warn)
+            entry["plan"] = self.plan.state_dict()
+            if self._runner is not None:
+                entry["pieces"] = self._runner.counters.state_dict()
+            return entry
+        return self._parts.state_dict(fit.trainer.world_size, fit.trainer.strategy.root_device)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._stage not in (None, "fit"):  # validate/test/predict(ckpt_path=...) never train: keep nothing
             return
         self._saved.load(state_dict)
-        if self._pieces is not None and state_dict.get("pieces") is not None:
-            pieces = self._pieces  # an int size is this run's setting; "auto" goes on from the saved one
-            pieces.counters.load_state_dict(state_dict["pieces"], size=pieces.auto)
+        runner = self._runner
+        if runner is not None and state_dict.get("pieces") is not None:
+            # an int size is this run's setting; "auto" goes on from the saved one
+            runner.counters.load_state_dict(state_dict["pieces"], size=runner.auto)
         position = state_dict.get("plan", state_dict.get("schedule"))  # "schedule": keyed schedules, 0.2
         if position is not None:  # Lightning restores callbacks after `setup`
             self.plan.load_state_dict(position)

@@ -19,6 +19,7 @@ from . import lightning_internals as internals
 from .core.torch_internals import compiled_with_cuda_graphs, dynamo_context_uses_cuda_graphs
 from .layouts import layout_of
 from .namespaces import CALLBACK_IMPORTS, LightningNamespace, namespace_of
+from .needs import refuse_unmet
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -70,17 +71,9 @@ def check_strategy(api: LightningNamespace, trainer: pl.Trainer) -> None:
     layout_of(api, trainer)
 
 
-def check_pieces(api: LightningNamespace, trainer: pl.Trainer, piece_size: Any) -> None:
-    """``piece_size`` needs the pieces' gradients to add up in ``.grad`` (one device, DDP): refuse others."""
-    if piece_size is None:
-        return
-    layout = layout_of(api, trainer)
-    if not layout.runs_pieces:
-        raise RuntimeError(
-            f"`piece_size={piece_size!r}` runs each batch in pieces whose gradients add up in `.grad`, which"
-            f" {layout.name} does not keep (it holds them in its own shards or engine): use one device or"
-            " DDP, or remove `piece_size`."
-        )
+def check_needs(api: LightningNamespace, trainer: pl.Trainer, callback: Any) -> None:
+    """Refuse a setting that needs what the strategy's layout does not provide (:mod:`.needs`)."""
+    refuse_unmet(callback, layout_of(api, trainer))
 
 
 def check_callbacks(
@@ -406,7 +399,7 @@ CHECKS: dict[Phase, tuple[Callable[[RunFacts], None], ...]] = {
     "configuration": (
         lambda f: check_automatic_optimization(f.pl_module),
         lambda f: check_strategy(f.api, f.trainer),
-        lambda f: check_pieces(f.api, f.trainer, f.callback.piece_size),
+        lambda f: check_needs(f.api, f.trainer, f.callback),
         lambda f: check_callbacks(f.api, f.trainer.callbacks, f.callback, f.callback_type),
     ),
     "setup": (

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
@@ -23,19 +23,11 @@ from torch import Tensor
 
 from .core import AccumulationStats
 from .core.checkpoint import stamp
+from .core.pieces import MicroBatchPieces
 from .core.settings import AccumulationSettings
 
-# What an engine that accumulates itself cannot show: its clipping, the loss and the buffers are its own
-ABSENT = frozenset(
-    {
-        "non_finite_windows",
-        "dropped_micro_batches",
-        "clipped_steps",
-        "buffer_bytes",
-        "peak_memory_bytes",
-        "window_loss",
-    }
-)
+# What an engine that accumulates itself cannot show: its clipping, the loss, the buffers (declared once)
+ABSENT = frozenset(f.name for f in fields(AccumulationStats) if not f.metadata["engine"])
 
 
 class Engine(Protocol):
@@ -99,6 +91,7 @@ class EngineWindow:
 
     device_step = None  # the engine steps: nothing is decided on the device for it
     uses_last = True
+    saves_open_window = False  # the engine's checkpoint holds no accumulated gradient
 
     def __init__(
         self,
@@ -171,15 +164,9 @@ class EngineWindow:
         label: str | None = None,
         error: str | None = None,
         in_place: bool = False,
-        share: float | None = None,
-        hold_in_grad: bool = False,
+        amp_scaled: bool = True,
     ) -> Tensor:
-        """Weigh ``loss`` (in place or not) so that the engine's sum is the window's big-batch gradient.
-
-        ``share`` (pieces of a batch) is never given: ``piece_size`` is refused under an engine at setup.
-        """
-        if share is not None:
-            raise RuntimeError("An engine's window cannot run a batch in pieces (`piece_size`).")
+        """Weigh ``loss`` (in place or not) so that the engine's sum is the window's big-batch gradient."""
         factor = self.settings.mode.factor(
             max(self._length, 1),
             dropped=0.0,
@@ -194,16 +181,41 @@ class EngineWindow:
             window.items += float(items.sum()) if isinstance(items, Tensor) else float(items)
         return loss.mul_(factor) if in_place else loss * factor
 
+    def begin_pieces(
+        self,
+        loss: Tensor,
+        items: Any = None,
+        *,
+        share: float | Tensor = 1.0,
+        hold_in_grad: bool = False,
+        last: bool | None = None,
+        label: str | None = None,
+        error: str | None = None,
+        in_place: bool = False,
+    ) -> MicroBatchPieces:
+        """Refused: an engine sums its micro-batches itself (``piece_size`` is refused before training)."""
+        raise RuntimeError("An engine's window cannot run a batch in pieces (`piece_size`).")
+
     def end_micro_batch(self, *, reevaluation: bool = False) -> None:
         """The micro-batch's backward ran."""
         if not reevaluation:
             self.window.micro_batches += 1
             self._counts["total_micro_batches"] += 1
 
-    def end_window(self, optimizer: Any = None, **ignored: Any) -> bool:
+    def end_window(
+        self,
+        optimizer: Any,
+        *,
+        unscale: bool = True,
+        on_device: bool | None = None,
+        fold_multiplier: bool = True,
+        reevaluation: bool = False,
+        read_statistics: bool = False,
+    ) -> bool:
         """Close the window before the engine's step: count it (its items summed over the ranks).
 
-        Takes the core's arguments (the callback's hooks hold either accumulator) and needs none of them.
+        The driver's arguments (:class:`~lightning_gradacc.window_driver.WindowDriver`): the engine steps,
+        unscales and reads its statistics itself, so none of them changes what this does.
         """
         window, counts = self.window, self._counts
         items = window.items if self._items_known else math.nan

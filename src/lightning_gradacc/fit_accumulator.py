@@ -26,8 +26,8 @@ from .core.statistics import RunStatistics
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-    from .engine_window import EngineWindow
     from .reduction import WindowReduction
+    from .window_driver import WindowDriver
 
 
 def optimized_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, Tensor]]:
@@ -86,7 +86,7 @@ class SavedState:
 
     @staticmethod
     def save(
-        accumulator: GradAccumulator | EngineWindow | None,
+        accumulator: WindowDriver | None,
         *,
         mid_batch: bool,
         warn: Callable[[str], Any],
@@ -148,8 +148,8 @@ class SavedState:
 
     def restore(
         self,
-        accumulator: GradAccumulator | EngineWindow,
-        previous: GradAccumulator | EngineWindow | None,
+        accumulator: WindowDriver,
+        previous: WindowDriver | None,
         *,
         primary: bool,
     ) -> None:
@@ -217,9 +217,7 @@ class ParameterGroups:
         """The accumulator was just built over the groups as they are."""
         self.signature = param_groups_signature(trainer)
 
-    def follow(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, accumulator: GradAccumulator | EngineWindow
-    ) -> None:
+    def follow(self, trainer: pl.Trainer, pl_module: pl.LightningModule, accumulator: WindowDriver) -> None:
         """Track the optimized parameters again if a group was added or changed since the last look."""
         signature = param_groups_signature(trainer)
         if signature != self.signature:

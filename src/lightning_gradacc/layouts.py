@@ -21,6 +21,8 @@ import torch
 from . import lightning_internals as internals
 from .deepspeed_internals import forget_zero_partitions
 from .engine_window import EngineWindow
+from .fit_accumulator import build_accumulator
+from .needs import PROVISIONS
 from .reduction import WindowReduction
 
 if TYPE_CHECKING:
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
     from .core.settings import AccumulationSettings
     from .namespaces import LightningNamespace
+    from .window_driver import WindowDriver
     from .window_plan import WindowPlan
 
 
@@ -40,17 +43,16 @@ class Layout:
         lightning_clips_by_norm: Whether Lightning's own ``gradient_clip_val`` by norm works here (its
             ``FSDPPrecision`` refuses it).
         engine_accumulates: The strategy's engine keeps the window's gradients: the callback drives it
-            (:meth:`engine_window`) instead of the core accumulating ``.grad``.
-        runs_pieces: Whether a batch can run in pieces with their own backward (``piece_size``): each
-            piece's gradient then adds up in ``.grad``, as with one device or DDP (not where FSDP or an
-            engine holds the gradients: refused before training).
+            (:meth:`driver` is an engine's window) instead of the core accumulating ``.grad``.
+        provides: What the strategy provides for the gradients (keys of ``needs.PROVISIONS``): a setting
+            that needs something else is refused before training (``needs.refuse_unmet``).
     """
 
     name = "single-device"
     strategy = "single_device_strategy"
     lightning_clips_by_norm = True
     engine_accumulates = False
-    runs_pieces = True
+    provides: frozenset[str] = frozenset(PROVISIONS)
 
     def accepts(self, api: LightningNamespace, strategy: Any) -> bool:
         """Whether ``strategy`` (of the Trainer's namespace ``api``) is of this layout."""
@@ -74,9 +76,35 @@ class Layout:
         ``chosen``: the settings the user set (a default left alone does not warn where it cannot act).
         """
 
-    def engine_window(self, trainer: pl.Trainer, settings: AccumulationSettings) -> EngineWindow:
-        """The driver of an engine that accumulates itself (only where ``engine_accumulates``)."""
-        raise NotImplementedError(f"{self.name} does not accumulate in an engine of its own")
+    def driver(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        settings: AccumulationSettings,
+        *,
+        scaler: Any,
+        sync: WindowReduction,
+        in_backward: bool,
+    ) -> WindowDriver:
+        """The window driver of a fit: the core accumulator, over what the Trainer's optimizers step.
+
+        Args:
+            trainer: The Trainer, its strategy set up.
+            pl_module: The module trained.
+            settings: The callback's math settings.
+            scaler: The fit's GradScaler, or ``None``.
+            sync: How the ranks reduce the window.
+            in_backward: Whether buffers may take each gradient inside the backward.
+        """
+        return build_accumulator(
+            trainer,
+            pl_module,
+            settings=settings,
+            grad_scaler=scaler,
+            reduction=sync,
+            sharded_model=self.sharded_model(trainer, sync),
+            in_backward=in_backward,
+        )
 
     def reduction(self, trainer: pl.Trainer, *, reduction: str, per_micro_batch: bool) -> WindowReduction:
         """Which backward of a window reduces its gradients over the ranks, and who reduces them."""
@@ -100,7 +128,7 @@ class FullyShardedV1(Layout):
     """Lightning's ``FSDPStrategy`` (FSDP1): flat gradient slices, reduce-scattered by FSDP."""
 
     name = "FSDP"
-    runs_pieces = False
+    provides = frozenset(PROVISIONS) - {"unsharded_grad"}  # flat slices of the gradients
     strategy = "fsdp_strategy"
     lightning_clips_by_norm = False
 
@@ -119,7 +147,7 @@ class ModelParallel(Layout):
     """``ModelParallelStrategy`` with ``fully_shard`` (FSDP2, HSDP): ``DTensor`` shards, data-parallel."""
 
     name = "ModelParallel (FSDP2)"
-    runs_pieces = False
+    provides = frozenset(PROVISIONS) - {"unsharded_grad"}  # `DTensor` shards
     strategy = "model_parallel_strategy"
 
     def refuse(self, trainer: pl.Trainer) -> None:
@@ -165,12 +193,6 @@ class _DeepSpeedEngine:
         return None if norm is None else float(norm)
 
 
-def _refused(setting: str, why: str) -> RuntimeError:
-    return RuntimeError(
-        f"`GradientAccumulationCallback({setting})` cannot take effect under DeepSpeed: {why}"
-    )
-
-
 class DeepSpeed(Layout):
     """Lightning's ``DeepSpeedStrategy``, ZeRO stages 0-2: the engine accumulates, the callback drives it.
 
@@ -182,7 +204,7 @@ class DeepSpeed(Layout):
     """
 
     name = "DeepSpeed (ZeRO 0-2)"
-    runs_pieces = False
+    provides: frozenset[str] = frozenset()  # the engine keeps, sums, clips and steps the window itself
     strategy = "deepspeed_strategy"
     engine_accumulates = True
 
@@ -207,54 +229,7 @@ class DeepSpeed(Layout):
         warn: Callable[[str], Any],
         chosen: frozenset[str] = frozenset(),
     ) -> None:
-        """Refuse what the engine cannot do; put ``max_grad_norm`` into its ``gradient_clipping``."""
-        if settings.mode.weighted:
-            raise _refused(
-                "scaling='weighted'",
-                "each micro-batch's weight needs the window's item total over the ranks before its"
-                " backward, and DeepSpeed keeps no `.grad` to rescale afterwards. Use 'mean' or 'sum'.",
-            )
-        if settings.noise_scale:
-            raise _refused(
-                "noise_scale=True or accumulation_steps='auto'",
-                "the noise scale needs each micro-batch's gradient, which DeepSpeed sums inside its engine.",
-            )
-        if settings.per_micro_batch:
-            raise _refused(
-                f"clip_mode={settings.clip_mode!r}, overflow={settings.overflow!r}",
-                "DeepSpeed sums the micro-batches' gradients inside its engine, where none can be clipped"
-                " or dropped alone. Use clip_mode='step' and overflow='skip' or 'ignore'.",
-            )
-        if settings.accumulation_dtype is not None:
-            dtype = str(settings.accumulation_dtype).removeprefix("torch.")
-            raise _refused(
-                f"accumulation_dtype={dtype!r}",
-                "DeepSpeed accumulates in its own buffers: set their type in the DeepSpeed config"
-                " (`data_types.grad_accum_dtype`).",
-            )
-        if settings.clip_value is not None or settings.clip_scope != "global" or settings.norm_type != 2.0:
-            raise _refused(
-                f"clip_value={settings.clip_value}, clip_scope={settings.clip_scope!r},"
-                f" norm_type={settings.norm_type}",
-                "DeepSpeed clips by the global 2-norm only (its `gradient_clipping`): use max_grad_norm.",
-            )
-        if settings.overflow == "raise":
-            raise _refused(
-                "overflow='raise'",
-                "DeepSpeed decides on overflows inside its step (its fp16 loss scaler skips them). Use"
-                " overflow='skip' (fp16) or 'ignore'.",
-            )
-        if plan.lr_scaling != "none" or plan.lr_schedule is not None:
-            raise _refused(
-                "lr_scaling or lr_schedule",
-                "the learning-rate factor is applied around torch's optimizer step, which DeepSpeed's ZeRO"
-                " optimizer wraps. Use an LR scheduler in `configure_optimizers`.",
-            )
-        if sharded_reduction != "every_micro_batch":
-            raise _refused(
-                f"sharded_reduction={sharded_reduction!r}",
-                "it is FSDP's; DeepSpeed reduces once per window at its boundary already.",
-            )
+        """Put ``max_grad_norm`` into the engine's ``gradient_clipping`` (its refusals: :mod:`.needs`)."""
         config: dict[str, Any] = trainer.strategy.config  # type: ignore[attr-defined]
         if settings.max_grad_norm is not None:
             clip = float(settings.max_grad_norm)
@@ -278,7 +253,16 @@ class DeepSpeed(Layout):
         """The engine reduces at its boundary: nothing for the callback to switch."""
         return WindowReduction()
 
-    def engine_window(self, trainer: pl.Trainer, settings: AccumulationSettings) -> EngineWindow:
+    def driver(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        settings: AccumulationSettings,
+        *,
+        scaler: Any,
+        sync: WindowReduction,
+        in_backward: bool,
+    ) -> WindowDriver:
         """The engine's driver; an epoch of unknown length is refused (its last window's end is needed)."""
         if not math.isfinite(trainer.num_training_batches):
             raise RuntimeError(

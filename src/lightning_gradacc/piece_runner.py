@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from .batch_pieces import SplitFn, batch_length, items_or, pieces_of
+from .core.pieces import MicroBatchPieces
 from .core.torch_internals import (
     ddp_backward_syncs,
     reset_scaler_optimizer_states,
@@ -80,14 +81,14 @@ class PieceCounters:
     allocator_retries: int = 0  # the CUDA allocator's retries last seen (thrashing shrinks the size)
 
     def state_dict(self) -> dict[str, Any]:
-        """The size and the retries (plain numbers)."""
-        return {"size": self.size, "oom_retries": self.oom_retries}
+        """The size (``inf``: whole batches, so that the smallest over the ranks is a minimum) and retries."""
+        return {"size": math.inf if self.size is None else self.size, "oom_retries": self.oom_retries}
 
     def load_state_dict(self, state: Mapping[str, Any], *, size: bool = True) -> None:
         """Take a saved :meth:`state_dict` (``size=False``: keep this run's size, an int ``piece_size``)."""
         if size:
-            saved = state.get("size")
-            self.size = None if saved is None else int(saved)
+            saved = state.get("size")  # None in checkpoints before the ranks agreed at the save
+            self.size = None if saved is None or math.isinf(saved) else int(saved)
         self.oom_retries = int(state.get("oom_retries", 0))
 
 
@@ -122,6 +123,7 @@ class PieceRunner:
         self.snapshot = snapshot
         self.counters = PieceCounters(size=setting if isinstance(setting, int) else None)
         self._run: _Run | None = None
+        self._handle: MicroBatchPieces | None = None  # the running batch's, from `begin_pieces`
         self._installed: tuple[Any, Any] | None = None  # (strategy, precision plugin) patched
         self._accumulator: Any = None
         self._count: Callable[[Any], Any] = batch_length
@@ -133,6 +135,7 @@ class PieceRunner:
         self._warn: Callable[[str], Any] = _ignore
         self._announced: int | None = None  # the last size announced (rank zero, once per size)
         self._lightning_k: Callable[[], int] = _one
+        self._mark: Callable[[bool], None] = _ignore_mark
 
     @property
     def auto(self) -> bool:
@@ -150,12 +153,14 @@ class PieceRunner:
         extract: Callable[[Any], int],
         warn: Callable[[str], Any],
         lightning_k: Callable[[], int],
+        mark: Callable[[bool], None],
     ) -> None:
         """Stand in for the strategy's ``training_step`` and the plugin's ``backward`` for this fit.
 
         ``count``: the item counter (else a piece's length); ``extract``: Lightning's batch-size inference,
         for the length of a ``split_fn``'s piece the default walk cannot read; ``warn``: rank zero's;
-        ``lightning_k``: what Lightning divides each loss by (the window plan's).
+        ``lightning_k``: what Lightning divides each loss by (the window plan's); ``mark(hold_in_grad)``: the
+        running batch goes in pieces (its micro-batch must begin through ``begin_pieces``).
         """
         self.uninstall()
         strategy, plugin = trainer.strategy, trainer.strategy.precision_plugin
@@ -169,7 +174,7 @@ class PieceRunner:
         self._count = count if count is not None else self._length
         self._world_size = trainer.world_size
         self._checked = False
-        self._warn, self._lightning_k = warn, lightning_k
+        self._warn, self._lightning_k, self._mark = warn, lightning_k, mark
         mixing = items_mixed_in_forward(trainer.lightning_module)
         if mixing is not None:
             warn(
@@ -197,6 +202,10 @@ class PieceRunner:
         """A loader batch starts (its item count, the shares' denominator, is known)."""
         self._run = _Run(batch, items=items)
 
+    def begun(self, handle: MicroBatchPieces) -> None:
+        """The batch's micro-batch began in pieces: the handle that weighs and restarts them."""
+        self._handle = handle
+
     @property
     def in_pieces(self) -> bool:
         """Whether the running batch goes through the runner's backward (else Lightning's, untouched)."""
@@ -208,7 +217,7 @@ class PieceRunner:
 
         With ``"auto"`` the ranks then agree on the size and the errors recovered (:meth:`agree`).
         """
-        run, self._run = self._run, None
+        run, self._run, self._handle = self._run, None, None
         if run is not None and run.loss_sum is not None:
             self._last_largest = run.largest
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
@@ -279,6 +288,7 @@ class PieceRunner:
                     return output
                 loss = self._piece_loss(output, piece, run)
                 run.first_loss = loss
+                self._mark(self.auto)  # "auto" holds the pieces in `.grad`: an error may drop them
                 stand_in = loss.detach().requires_grad_() * 1.0  # the value, no graph: Lightning holds it
                 return _stand_in_output(output, stand_in)
             self._forward_failed()
@@ -290,9 +300,10 @@ class PieceRunner:
             self._backward(tensor, model, optimizer, *args, **kwargs)
             return
         del tensor  # the stand-in: its gradient is nothing
-        accumulator = self._accumulator
-        snapshot = self._take_snapshot() if self.snapshot else None
-        accumulator.restart_micro_batch()  # the pieces weigh and record themselves
+        handle = self._handle
+        assert handle is not None, "the micro-batch began in pieces (`begin_pieces`)"
+        snapshot = self._take_snapshot(handle) if self.snapshot else None
+        handle.restart()  # the pieces weigh and record themselves
         while run.pieces:
             piece, last_piece = run.pieces[0], len(run.pieces) == 1
             stage, synced = "forward", False
@@ -319,14 +330,15 @@ class PieceRunner:
                 self._forward_failed()
                 self._recover(run, piece, message, backward=False)
             else:
-                self._restart(run, piece, message, snapshot, synced=synced)
+                self._restart(run, piece, message, snapshot, synced=synced, handle=handle)
 
     def _weighed(self, loss: Tensor, piece: Any, run: _Run) -> Tensor:
         """``loss`` (a piece's, times its share) as Lightning back-propagates: / K, AMP-scaled, weighed."""
         scaled = loss / self._lightning_k()  # as Lightning divides (the plan's K for it)
         if self._scaler is not None:
             scaled = self._scaler.scale(scaled)
-        return self._accumulator.next_piece(scaled, self._share(piece, run))  # type: ignore[no-any-return]
+        assert self._handle is not None
+        return self._handle.next(scaled, self._share(piece, run))
 
     # ------------------------------------------------------------------------------------- recovery
 
@@ -348,7 +360,14 @@ class PieceRunner:
         run.loss_sum = None if backward else run.loss_sum
 
     def _restart(
-        self, run: _Run, piece: Any, message: str, snapshot: list[Any] | None, *, synced: bool
+        self,
+        run: _Run,
+        piece: Any,
+        message: str,
+        snapshot: list[Any] | None,
+        *,
+        synced: bool,
+        handle: MicroBatchPieces,
     ) -> None:
         """After an out-of-memory error in a backward: run the batch again from its start, or raise."""
         accumulator = self._accumulator
@@ -358,7 +377,7 @@ class PieceRunner:
                 " its all-reduce is half done on this rank, so the batch cannot run again. Set an int"
                 f" `piece_size` below {self._length(piece)} for this run. The error: {message}"
             )
-        if snapshot is None and not accumulator.pending_alone_in_grad:
+        if snapshot is None and not handle.alone_in_grad:
             buffered = accumulator.window.buffered
             where = (
                 "written into `.grad` before the window's last batch under DDP" if buffered else "in `.grad`"
@@ -381,7 +400,7 @@ class PieceRunner:
         else:
             for param, kept in zip(params, snapshot, strict=True):
                 param.grad = None if kept is None else kept.clone()
-        accumulator.restart_micro_batch()
+        handle.restart()
         run.largest = 0  # the batch's pieces start over
         self._recover(run, piece, message, backward=True)
         self._set_pieces(run, self._pieces_of(run.batch, self.counters.size))  # type: ignore[arg-type]
@@ -411,8 +430,8 @@ class PieceRunner:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _take_snapshot(self) -> list[Tensor | None] | None:
-        if self._accumulator.pending_alone_in_grad:
+    def _take_snapshot(self, handle: MicroBatchPieces) -> list[Tensor | None] | None:
+        if handle.alone_in_grad:
             return None  # nothing to lose: no copy
         return [None if p.grad is None else p.grad.detach().clone() for p in self._accumulator.parameters]
 
@@ -520,6 +539,10 @@ def _ignore(message: str) -> None:
 
 def _one() -> int:
     return 1
+
+
+def _ignore_mark(hold_in_grad: bool) -> None:
+    """No fit to tell (before ``install``)."""
 
 
 def _stand_in_output(output: Any, loss: Tensor) -> Any:

@@ -54,7 +54,7 @@ from .lr_schedule import TokenSchedule
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-    from .core import GradAccumulator
+    from .window_driver import WindowDriver
 
 Warn = Callable[[str], Any]
 LRScalingMode = Literal["none", "sqrt", "linear"]
@@ -154,7 +154,7 @@ class WindowPlan:
         self._restored = False  # a checkpoint's position was loaded, not yet attached to a fit
         self._warn: Warn | None = None  # the fit's (rank zero's) warning
         self._budget_checked = False  # the fit's item estimate was compared with `lr_schedule.total`
-        self._accumulator: GradAccumulator | EngineWindow | None = None  # the fit's, once attached
+        self._accumulator: WindowDriver | None = None  # the fit's, once attached
         self._hooks: list[Any] = []  # the optimizers' step pre- and post-hooks (lr_scaling)
         self._saved_lrs: list[tuple[dict[str, Any], Any]] = []
         # Lightning does not step at an epoch's end by itself (a strategy that accumulates): every window
@@ -366,7 +366,7 @@ class WindowPlan:
         if k is not None:
             self._write(trainer, k, k)
 
-    def attach(self, trainer: pl.Trainer, accumulator: GradAccumulator | EngineWindow, warn: Warn) -> None:
+    def attach(self, trainer: pl.Trainer, accumulator: WindowDriver, warn: Warn) -> None:
         """Training starts (``on_train_start``): K written into the fit's new accumulator, LR hooks placed.
 
         A window restored from a checkpoint goes on with its own K and Lightning's K (a policy keyed by steps
@@ -435,7 +435,7 @@ class WindowPlan:
             self.position.window_k, self.position.lightning_k = k, lightning_k
         return k
 
-    def window_closed(self, accumulator: GradAccumulator | EngineWindow) -> None:
+    def window_closed(self, accumulator: WindowDriver) -> None:
         """The open window was finalized (stepped or skipped) by ``accumulator``.
 
         Its items over all ranks are read (a host read) only where the policy counts them; an adaptive

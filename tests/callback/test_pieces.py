@@ -429,7 +429,8 @@ def test_pieces_under_fsdp_or_deepspeed_are_refused_before_training() -> None:
     strategies.append((parallel, r"ModelParallel \(FSDP2\)"))
     for strategy, name in strategies:
         trainer = SimpleNamespace(strategy=strategy, callbacks=[callback], world_size=1)
-        with pytest.raises(RuntimeError, match=rf"`piece_size=2` runs each batch in pieces.*{name}"):
+        refused = rf"\(piece_size=2\)` cannot take effect under {name}.*: it runs each batch in pieces"
+        with pytest.raises(RuntimeError, match=refused):
             callback._verify("configuration", trainer, module)
 
 
@@ -455,8 +456,8 @@ def test_a_thrashing_allocator_halves_the_size_as_an_error_would() -> None:
     module = OomModule(data, batch_size=8)
     callback = GradientAccumulationCallback(2, piece_size="auto")
     readings = iter([0, 0, 3, 3, 3, 3])  # at install, then at each batch's end
-    assert callback._pieces is not None
-    callback._pieces._allocator_retries = lambda: next(readings)
+    assert callback._runner is not None
+    callback._runner._allocator_retries = lambda: next(readings)
     with pytest.warns(UserWarning, match=r"allocator had to free its cache.*pieces of at most 4 items"):
         fit(module, callback)
     assert module.forwards == [8, 8, 4, 4, 4, 4, 4, 4]

@@ -149,3 +149,43 @@ def test_the_settings_scaling_mode_survives_pickling_also_from_a_pickle_without_
     older = AccumulationSettings.__new__(AccumulationSettings)
     older.__setstate__({k: v for k, v in settings.__dict__.items() if k != "mode"})
     assert older.mode is SCALING_MODES["weighted"] and older == settings
+
+
+def test_the_refusal_table_of_the_docs_is_the_one_the_declarations_make() -> None:
+    from lightning_gradacc.layouts import LAYOUTS
+    from lightning_gradacc.needs import refusal_table
+
+    limitations = (REFERENCE.parent / "limitations.md").read_text()
+    assert refusal_table(LAYOUTS) in limitations
+
+
+def test_every_unmet_need_is_refused_naming_the_setting_and_the_strategy() -> None:
+    """Each setting that needs a provision, on a layout without it, raises before training (and with it,
+    does not): values of the one check, for every (need, layout) pair."""
+    from types import SimpleNamespace
+
+    from lightning_gradacc import GradientAccumulationCallback
+    from lightning_gradacc.layouts import LAYOUTS
+    from lightning_gradacc.needs import NEEDS, refuse_unmet
+
+    configured = [  # one callback per need that uses it
+        GradientAccumulationCallback(2, piece_size=2),
+        GradientAccumulationCallback(2, scaling="weighted"),
+        GradientAccumulationCallback(2, noise_scale=True),
+        GradientAccumulationCallback(
+            2, clip_mode="micro_batch", max_grad_norm=1.0, accumulation_dtype="float32"
+        ),
+        GradientAccumulationCallback(2, accumulation_dtype="float64"),
+        GradientAccumulationCallback(2, clip_value=0.1),
+        GradientAccumulationCallback(2, overflow="raise"),
+        GradientAccumulationCallback(2, lr_scaling="sqrt"),
+        GradientAccumulationCallback(2, sharded_reduction="window_end"),
+    ]
+    for need, callback in zip(NEEDS, configured, strict=True):
+        assert need.applies(callback), need.name
+        for layout in LAYOUTS:
+            if need.provision in layout.provides:
+                continue
+            with pytest.raises(RuntimeError, match=rf"cannot take effect under {re.escape(layout.name)}"):
+                refuse_unmet(callback, layout)
+    refuse_unmet(GradientAccumulationCallback(2), SimpleNamespace(provides=frozenset(), name="none"))

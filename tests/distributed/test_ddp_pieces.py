@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import pytorch_lightning as pl
+import torch
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests import helpers as h
@@ -112,3 +113,32 @@ def test_a_backward_error_in_a_window_s_last_batch_with_buffers_redoes_it_from_t
     expected = h.big_batch_reference(h.regression_net(), data, 8 * WORLD, h.windows(4, 2), h.mse)
     assert h.max_abs_diff(module.net, expected) < 1e-6
     assert float(trainer.callback_metrics["grad_accum/oom_retries"]) == 2
+
+
+class SaveAfterBackward(pl.Callback):
+    """Saves a checkpoint after the backward of global micro-batch ``at`` (inside the batch), then stops."""
+
+    def __init__(self, at: int, path: Path) -> None:
+        self.at, self.path, self.seen = at, path, 0
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if self.seen == self.at:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+        self.seen += 1
+
+
+@pytest.mark.filterwarnings("ignore:Training ended inside a window")
+@pytest.mark.filterwarnings("ignore:This checkpoint is taken after a micro-batch")
+def test_a_save_while_the_ranks_views_differ_holds_the_agreed_view(tmp_path: Path) -> None:
+    """Inside batch 1 only rank 1 has run out (its size is 4, rank 0's still whole batches) when the save
+    comes: the checkpoint holds the smallest size over the ranks, not rank 0's view, and the counters the
+    ranks agree on were checked equal on the way."""
+    data = h.regression_data(64)
+    module = OomModule(data, batch_size=8, ranks=[1], forward_cap=Cap(at={1: 5}), backward_cap=Cap())
+    path = tmp_path / "inside_batch_1.ckpt"
+    callbacks = [GradientAccumulationCallback(2, piece_size="auto"), SaveAfterBackward(1, path)]
+    ddp_trainer(*callbacks, logger=False, min_epochs=0).fit(module)
+    saved = torch.load(path, weights_only=True)["callbacks"]
+    (state,) = [entry for entry in saved.values() if "pieces" in entry]
+    assert state["pieces"]["size"] == 4

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,27 +27,19 @@ from .checkpoint import WindowCheckpoint, check_format, stamp
 from .grad_hooks import BufferHooks
 from .noise import noise_scale_for
 from .parameters import NamedParameters, TrackedParameters
+from .pieces import MicroBatchPieces, PendingMicroBatch
 from .settings import AccumulationSettings, check_positive_int, with_setting_docs
 from .statistics import AccumulationStats, RunStatistics
+from .stepping import OptimizerStepping
 from .store import WindowGradients
-from .torch_internals import DeviceStep, disarm, ensure_scaler_scale, scaler_found_inf, skips_on_device
+from .torch_internals import DeviceStep
 from .weighting import GradientScale, ItemCount, ItemWeighting
 from .window import Window
 from .window_end import WindowEnd
 from .world import AllReduce, World
 
 
-@dataclass(slots=True)
-class _MicroBatch:
-    """A micro-batch between :meth:`GradAccumulator.begin_micro_batch` and ``end_micro_batch``."""
-
-    count: ItemCount
-    loss: Tensor
-    last: bool
-    share: float | Tensor | None = None  # run in pieces: the running piece's share of the items
-
-
-class GradAccumulator:
+class GradAccumulator(OptimizerStepping):
     """Exact gradient accumulation over micro-batches, in place in ``.grad``.
 
     Args:
@@ -181,7 +172,7 @@ class GradAccumulator:
         self._checkpoint = WindowCheckpoint(
             tracked, self._buffers, self._scale, self._weighting, self._world, self._noise
         )
-        self._pending: _MicroBatch | None = None
+        self._pending: PendingMicroBatch | None = None
         self._window = self._new_window()
         self.device_step: DeviceStep | None = None  # the last `finalize(on_device=True)`'s step tensors
 
@@ -347,8 +338,6 @@ class GradAccumulator:
         error: str | None = None,
         in_place: bool = False,
         amp_scaled: bool = True,
-        share: float | Tensor | None = None,
-        hold_in_grad: bool = False,
     ) -> Tensor:
         """Start one micro-batch: weigh its loss and get the window ready for its backward.
 
@@ -367,16 +356,70 @@ class GradAccumulator:
             error: A problem the caller found with the item count already.
             in_place: Weigh ``loss`` itself (for a caller that back-propagates that very tensor).
             amp_scaled: ``False``: the ``grad_scaler`` scales ``loss`` in its backward (``fabric.backward``).
-            share: The micro-batch runs in pieces, each with its own backward, and ``loss`` is the first's
-                (its mean loss times ``share``, its part of the items); :meth:`next_piece` weighs the
-                others; the noise scale measures each piece alone.
-            hold_in_grad: With ``share``: the pieces' gradients stay in ``.grad`` until
-                :meth:`end_micro_batch` (buffers take their sum then), so that after an error the caller can
-                drop them and :meth:`restart_micro_batch`; else buffers take each piece's in its backward.
 
         Returns:
             The weighted loss to back-propagate (``loss`` itself with ``in_place``).
         """
+        return self._begin(loss, items, last, label, error, in_place, amp_scaled)
+
+    def begin_pieces(
+        self,
+        loss: Tensor,
+        items: Any = None,
+        *,
+        share: float | Tensor = 1.0,
+        hold_in_grad: bool = False,
+        last: bool | None = None,
+        label: str | None = None,
+        error: str | None = None,
+        in_place: bool = False,
+    ) -> MicroBatchPieces:
+        """Start one micro-batch that runs as pieces, each with its own backward; return their handle.
+
+        As :meth:`begin_micro_batch`, for ``loss``, the first piece's (its mean loss times ``share``, its
+        part of the items). The handle weighs the later pieces (:meth:`MicroBatchPieces.next`), restarts
+        them after an error, and says whether ``.grad`` holds the micro-batch alone; its ``loss`` is the
+        first piece's, weighed. :meth:`end_micro_batch` records the micro-batch once.
+
+        Args:
+            loss: The first piece's loss, as for :meth:`begin_micro_batch`.
+            items: The micro-batch's item count (all its pieces').
+            share: The first piece's part of the items.
+            hold_in_grad: The pieces' gradients stay in ``.grad`` until :meth:`end_micro_batch` (buffers take
+                their sum then), so that after an error the caller can drop them and restart; else buffers
+                take each piece's in its backward.
+            last: As for :meth:`begin_micro_batch`.
+            label: As for :meth:`begin_micro_batch`.
+            error: As for :meth:`begin_micro_batch`.
+            in_place: As for :meth:`begin_micro_batch`.
+        """
+        weighed = self._begin(loss, items, last, label, error, in_place, True)
+        pending = self._pending
+        assert pending is not None
+        pending.pieces = MicroBatchPieces(
+            pending,
+            window=self._window,
+            noise=self._noise,
+            scale=self._scale,
+            weighted=self._weighting.weighted,
+            share=share,
+            loss=weighed,
+        )
+        if hold_in_grad:
+            self._arm_hooks(False)  # the pieces add up in `.grad`: `record` moves their sum
+        return pending.pieces
+
+    def _begin(
+        self,
+        loss: Tensor,
+        items: Any,
+        last: bool | None,
+        label: str | None,
+        error: str | None,
+        in_place: bool,
+        amp_scaled: bool,
+    ) -> Tensor:
+        """Weigh ``loss`` and keep the pending micro-batch: the loss to back-propagate."""
         if self._pending is not None:
             raise RuntimeError(
                 "`begin_micro_batch` was called twice without `end_micro_batch` after the backward between."
@@ -388,68 +431,12 @@ class GradAccumulator:
         recorded = loss.detach().clone() if in_place and weighted else loss.detach()
         if not amp_scaled and self._scale.scaler is not None:
             recorded = self._scale.scaler.scale(recorded)  # a multiply on the device: no sync
-        to_backward = count.weigh_loss(loss, in_place=in_place) if weighted else loss  # else weight 1
+        to_backward = count.weigh_loss(loss, in_place=in_place) if weighted else loss
         last = self._window.micro_batches + 1 >= self._accumulation_steps if last is None else last
-        self._pending = _MicroBatch(count, recorded, last, share)
+        self._pending = PendingMicroBatch(count, recorded, last)
         if last and self._flushes_before_last_backward:
             self.flush_to_grad()  # and the hooks stay off: DDP reads this backward's `.grad`
-        if share is not None and hold_in_grad:
-            self._arm_hooks(False)  # the pieces add up in `.grad`: `record` moves their sum
         return to_backward
-
-    def next_piece(self, loss: Tensor, share: float | Tensor) -> Tensor:
-        """Weigh the next piece's loss of a micro-batch in pieces (``share`` of :meth:`begin_micro_batch`).
-
-        Args:
-            loss: The piece's mean loss times ``share``, as back-propagated otherwise (times ``loss_scale``
-                and the AMP scale); weighed in place.
-            share: The piece's part of the micro-batch's items.
-
-        Returns:
-            ``loss``, weighed: back-propagate it.
-        """
-        pending = self._require_pieces("next_piece")
-        if self._noise.watching:  # the previous piece's norms, measured alone
-            self._noise.end_piece(*self._piece_measure(pending))
-        pending.loss = pending.loss + loss.detach()
-        pending.share = share
-        return pending.count.weigh_loss(loss, in_place=True) if self._weighting.weighted else loss
-
-    def restart_micro_batch(self) -> None:
-        """Forget the pieces of the pending micro-batch run so far (its gradients are the caller's to drop).
-
-        After an out-of-memory error inside one of its pieces, before the micro-batch runs again: its loss
-        and noise-scale norms start over; its item count and weight stay.
-        """
-        pending = self._require_pieces("restart_micro_batch")
-        pending.loss = torch.zeros_like(pending.loss)
-        self._noise.begin_backward()
-
-    @property
-    def pending_alone_in_grad(self) -> bool:
-        """Whether ``.grad`` holds the pending micro-batch's gradient alone: dropping it loses nothing else.
-
-        True when it opens the window, or when the window's earlier micro-batches are in the buffers (not
-        yet written into ``.grad``): a micro-batch run in pieces can then start over after an error.
-        """
-        window = self._window
-        return window.micro_batches == 0 or window.new_gradients_to_buffers
-
-    def _require_pieces(self, action: str) -> _MicroBatch:
-        pending = self._pending
-        if pending is None or pending.share is None:
-            raise RuntimeError(
-                f"`{action}` needs a micro-batch begun in pieces (`begin_micro_batch(..., share=...)`)."
-            )
-        return pending
-
-    def _piece_measure(self, pending: _MicroBatch) -> tuple[Any, Any]:
-        """The running piece's items and the factor its gradient carries, for the noise scale."""
-        share, count = pending.share, pending.count
-        assert share is not None  # a micro-batch in pieces
-        items = None if count.items is None else count.items * share
-        weight = count.weight if self._weighting.weighted else 1.0
-        return items, weight * self._scale.value() * share
 
     def end_micro_batch(self, *, reevaluation: bool = False) -> None:
         """End the micro-batch begun by :meth:`begin_micro_batch`, after its backward: record it.
@@ -462,8 +449,8 @@ class GradAccumulator:
             raise RuntimeError(
                 "`end_micro_batch` was called without `begin_micro_batch` before the backward."
             )
-        if pending.share is not None and self._noise.watching:  # the last piece's norms
-            self._noise.end_piece(*self._piece_measure(pending))
+        if pending.pieces is not None and self._noise.watching:  # the last piece's norms
+            pending.pieces.measured()
         self.record(pending.count, pending.loss, reevaluation=reevaluation)
         if pending.last and self._scale.scaler is not None:
             self.flush_to_grad()  # the scaler unscales and checks `.grad`
@@ -610,89 +597,6 @@ class GradAccumulator:
             window.close()
             self._window = self._new_window()
 
-    def decides_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether a window stepped by ``optimizer`` can be decided on the device (``finalize(on_device=)``).
-
-        For an optimizer that skips on the device (``core.device_step.skips_on_device``), without a
-        ``grad_scaler`` (it skips itself) and unless ``overflow="raise"`` (it raises at the step).
-        """
-        return self._scale.scaler is None and self.settings.overflow != "raise" and skips_on_device(optimizer)
-
-    def end_window(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        unscale: bool = True,
-        on_device: bool | None = None,
-        fold_multiplier: bool = True,
-        reevaluation: bool = False,
-        read_statistics: bool = False,
-    ) -> bool:
-        """Finalize the window for ``optimizer``'s coming step: one path for :meth:`step` and the callback.
-
-        Under a ``grad_scaler`` the window goes into ``.grad`` and the scaler unscales it (``unscale=False``:
-        the caller's precision plugin already did). An optimizer that skips on the device (see
-        :meth:`decides_on_device`) is armed with the window's :attr:`device_step` (``fold_multiplier``: where
-        nothing reads ``.grad`` before the step); otherwise the window is decided on the host.
-
-        Args:
-            optimizer: The optimizer that steps next.
-            unscale: Let the ``grad_scaler`` unscale the gradients first.
-            on_device: Decide on the device (``None``: where :meth:`decides_on_device` says so).
-            fold_multiplier: See :meth:`finalize`.
-            reevaluation: See :meth:`finalize`.
-            read_statistics: See :meth:`finalize`.
-
-        Returns:
-            :meth:`finalize`'s answer.
-        """
-        scaler = self._scale.scaler
-        if scaler is not None and unscale:
-            ensure_scaler_scale(scaler)  # none yet if no loss was scaled since the scaler was made (a resume)
-            self.flush_to_grad()  # the scaler unscales and checks `.grad`
-            scaler.unscale_(optimizer)
-        if on_device is None:
-            on_device = self.decides_on_device(optimizer)
-        stepped = self.finalize(
-            reevaluation=reevaluation,
-            read_statistics=read_statistics,
-            on_device=on_device,
-            fold_multiplier=on_device and fold_multiplier,
-        )
-        if self.device_step is not None:
-            disarm(optimizer)  # a step interrupted before: its tensors are stale
-            self.device_step.arm(optimizer)
-        return stepped
-
-    def step(
-        self, optimizer: torch.optim.Optimizer, *, force: bool = False, on_device: bool | None = None
-    ) -> bool:
-        """Finalize and step ``optimizer`` when the window is full (or ``force``), then zero gradients.
-
-        Args:
-            optimizer: The optimizer to step.
-            force: Finalize a window that is not full (e.g. the last of an epoch).
-            on_device: Decide on the device and let the optimizer skip a non-finite window itself, with no
-                host sync and no separate multiply pass (see :meth:`end_window`). ``None``: for torch's fused
-                optimizers (``fused=True``), without a ``grad_scaler`` and unless ``overflow="raise"``.
-
-        Returns:
-            Whether the optimizer stepped. On the device: whether it was asked to (it skips a non-finite
-            window itself; :attr:`stats` counts it).
-        """
-        if not (self.window_full or (force and not self._window.empty)):
-            return False
-        stepped = self.end_window(optimizer, on_device=on_device)
-        scaler = self._scale.scaler
-        if scaler is not None:  # it skips a non-finite step itself; whether it did is one sync, here only
-            stepped = stepped and not scaler_found_inf(scaler, optimizer)
-            scaler.step(optimizer)
-            scaler.update()
-        elif stepped:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return stepped
-
     def reset(self, *, set_grads_to_none: bool = True) -> None:
         """Discard the open window (its buffers, and its gradients by default); lifetime counters are kept."""
         self._window.close()
@@ -701,6 +605,10 @@ class GradAccumulator:
         self._pending = None
         if set_grads_to_none:
             self._tracked.set_grads_to_none()
+
+    # what it cannot show: nothing (see `WindowDriver.absent`); a checkpoint holds its open window
+    absent: frozenset[str] = frozenset()
+    saves_open_window = True
 
     def remove_hooks(self) -> None:
         """Remove the gradient hooks (``noise_scale=True``, ``accumulate_in_backward``).

@@ -57,6 +57,7 @@ def statistic(
     follows: str | None = None,
     logged: bool = True,
     noise: bool = False,
+    engine: bool = True,
 ) -> Any:
     """A field of :class:`AccumulationStats`: its default, where it is kept, how it folds, its one doc.
 
@@ -75,9 +76,12 @@ def statistic(
         logged: Whether the callback logs it (under ``grad_accum/``; a ``"part"`` value where the fit has
             that part).
         noise: Logged only with ``noise_scale=True``.
+        engine: Whether a window driven inside an engine that accumulates itself (DeepSpeed) shows it;
+            ``False``: its clipping, losses, buffers or skipped micro-batches are the engine's own, and the
+            statistic is not logged there (never a made-up value).
     """
     metadata = {"doc": doc, "kept": kept, "fold": fold, "empty": empty, "follows": follows}
-    return field(default=default, metadata={**metadata, "logged": logged, "noise": noise})
+    return field(default=default, metadata={**metadata, "logged": logged, "noise": noise, "engine": engine})
 
 
 def _comparable(value: float) -> object:
@@ -119,9 +123,13 @@ class AccumulationStats:
         0,
         "Windows whose accumulated gradient was not finite (skipped or not, depending on ``overflow``).",
         fold="sum",
+        engine=False,
     )
     dropped_micro_batches: int = statistic(
-        0, 'Micro-batches dropped by ``overflow="skip_micro_batch"``.', fold="sum"
+        0,
+        'Micro-batches dropped by ``overflow="skip_micro_batch"``.',
+        fold="sum",
+        engine=False,
     )
     empty_windows: int = statistic(
         0,
@@ -130,12 +138,14 @@ class AccumulationStats:
         ' ``scaling="weighted"`` counted 0 items in total.',
         fold="sum",
         empty=1.0,
+        engine=False,
     )
     clipped_steps: int = statistic(
         0,
         'Windows whose gradient clipping changed (with ``clip_mode="micro_batch"``: where it changed some'
         " micro-batch's gradient).",
         fold="sum",
+        engine=False,
     )
     last_grad_norm: float = statistic(
         0.0, "Total gradient norm of the last window, after scaling and before clipping.", empty=0.0
@@ -168,6 +178,7 @@ class AccumulationStats:
         "Mean training loss over the last window, weighted by items and over ranks (Lightning itself logs"
         " only the last micro-batch's); ``nan`` where no loss was recorded.",
         empty=math.nan,
+        engine=False,
     )
     num_parameters: int = statistic(
         0,
@@ -176,7 +187,10 @@ class AccumulationStats:
         kept="now",
     )
     buffer_bytes: int = statistic(
-        0, "Extra memory held by the accumulator (0: gradients accumulate in ``.grad``).", kept="now"
+        0,
+        "Extra memory held by the accumulator (0: gradients accumulate in ``.grad``).",
+        kept="now",
+        engine=False,
     )
     peak_memory_bytes: int = statistic(
         0,
@@ -185,6 +199,7 @@ class AccumulationStats:
         " process's resident-set peak on CPU. Read when the statistics are read; this package never resets"
         " a process-wide counter, so it is not a window's peak.",
         kept="count",
+        engine=False,
     )
     noise_scale: float = statistic(
         math.nan,
