@@ -280,60 +280,6 @@ def profile(size: Size, k: int, micro_batches: int, top: int = 40) -> str:
     return stream.getvalue()
 
 
-def boundary(size: Size, windows: int = 1000) -> list[str]:
-    """µs of one K=1 boundary (``finalize``) of the small model's gradient and of its parts.
-
-    The parts are timed in place (wrapped methods of the accumulator and of the functions it calls), and
-    the bare kernels it launches are timed alone for comparison.
-    """
-    from lightning_gradacc import GradAccumulator
-    from lightning_gradacc.core import accumulator as accumulator_module
-
-    model = size.model()
-    x, y = (t[: size.batch] for t in size.data(1).tensors)
-    accumulator = GradAccumulator(model.named_parameters(), 1)
-    clock = Clock()
-    parts = ("_sums", "_measure", "_window_totals", "_decide", "_account", "_keeps_step", "_new_window")
-    for name in parts:
-        clock.wrap(accumulator, name)
-    clock.wrap(accumulator._tracked, "tensor_norms", "tensor_norms (_foreach_norm)")
-    clock.wrap(accumulator._accounts.ledger, "sync", "ledger.sync (stack + host copy)")
-    clock.wrap(accumulator._accounts, "close_window", "accounts.close_window")
-    clock.wrap(accumulator_module, "apply_", "apply_ (_foreach_mul_)")
-    clock.wrap(accumulator, "finalize")
-    for index in range(windows + 10):
-        clock.on = index >= 10
-        accumulator.backward(torch.nn.functional.mse_loss(model(x), y), items=size.batch)
-        accumulator.finalize()
-        model.zero_grad(set_to_none=True)
-    clock.on = False
-    best = clock.per_micro_batch(windows)
-    model.zero_grad(set_to_none=False)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    bare = {
-        "_foreach_norm": lambda: torch._foreach_norm(grads, 2.0, dtype=torch.float32),
-        "_foreach_norm + stack + tolist": lambda: torch.stack(torch._foreach_norm(grads, 2.0)).tolist(),
-        "_foreach_mul_ by a scalar tensor": lambda: torch._foreach_mul_(grads, torch.ones(())),
-    }
-    for name, run in bare.items():
-        samples = []
-        for _ in range(windows):
-            start = time.perf_counter()
-            run()
-            samples.append(time.perf_counter() - start)
-        best[f"bare {name}"] = statistics.median(samples) * 1e6
-    lines = [
-        f"## One K=1 boundary of the small model (`finalize`, median of {windows} calls)\n",
-        "| part | µs |",
-        "|---|---|",
-        *(f"| {name} | {value:.2f} |" for name, value in best.items()),
-        "",
-    ]
-    print("\n".join(lines), flush=True)
-    return lines
-
-
 def report(
     size: Size, ks: tuple[int, ...], micro_batches: int, repeats: int, *, whole_fit: bool = True
 ) -> list[str]:
@@ -407,7 +353,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: physical cores)")
     parser.add_argument("--log-every-n-steps", type=int, default=50)
     parser.add_argument("--hooks-only", action="store_true", help="only the time inside each hook")
-    parser.add_argument("--boundary", action="store_true", help="time one boundary and its parts")
     parser.add_argument("--quick", action="store_true", help="the tiny model, one repeat: a smoke run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads or max(1, psutil.cpu_count(logical=False) or 1))
@@ -417,9 +362,6 @@ def main() -> None:
     LOG_EVERY_N_STEPS[0] = args.log_every_n_steps
     if args.profile is not None:
         print(profile(size, args.profile, micro_batches))
-        return
-    if args.boundary:
-        boundary(size)
         return
     print(
         f"# Fixed cost per micro-batch: {size.name}, torch {torch.__version__}, Lightning {pl.__version__}\n"

@@ -128,14 +128,14 @@ def check_split_fn(split_fn: Any) -> SplitFn | None:
     return split_fn  # type: ignore[no-any-return]
 
 
-def pieces_of(
-    batch: Any, size: int, split_fn: SplitFn | None, length: Callable[[Any], int] = batch_length
-) -> list[Any]:
+def pieces_of(batch: Any, size: int, split_fn: SplitFn | None) -> list[Any]:
     """``batch`` in pieces of at most ``size`` items, by ``split_fn`` where given.
 
-    What a ``split_fn`` returns is checked (``length`` reads a piece's items): every piece holds at most
-    ``size`` items and together they hold the batch's. A piece too large would run out of memory again
-    (``"auto"`` would halve forever); an item dropped or repeated would change the gradient silently.
+    What a ``split_fn`` returns is checked where its items can be read (every tensor agreeing on its first
+    dimension): every piece holds at most ``size`` items and together they hold the batch's. A piece too
+    large would run out of memory again (``"auto"`` would halve forever); an item dropped or repeated would
+    change the gradient silently. Where the tensors disagree (images per item beside the items), the
+    runner checks instead that a piece cut again after an error is smaller.
 
     Example:
         >>> import torch
@@ -147,9 +147,14 @@ def pieces_of(
     if split_fn is None:
         return split_batch(batch, size)
     pieces = list(split_fn(batch, size))
-    lengths = [length(piece) for piece in pieces]
-    total = length(batch)
-    if not pieces or max(lengths) > size or sum(lengths) != total:
+    if not pieces:
+        raise ValueError(f"`split_fn` returned no piece for a batch of type {type(batch).__name__}.")
+    try:
+        lengths = [batch_length(piece) for piece in pieces]
+        total = batch_length(batch)
+    except UnsplittableBatch:  # the items cannot be read unambiguously: the runner checks the pieces shrink
+        return pieces
+    if max(lengths) > size or sum(lengths) != total:
         raise ValueError(
             f"`split_fn` must return pieces of at most {size} items that together hold the batch's {total},"
             f" in order, but for a batch of type {type(batch).__name__} it returned pieces of {lengths}"

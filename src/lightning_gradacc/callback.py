@@ -43,7 +43,7 @@ from .piece_runner import PieceRunner, check_piece_size
 from .reduction import WindowReduction, check_reduction
 from .reporting import LOGGED_STATISTICS as LOGGED_STATISTICS  # importable from here too
 from .reporting import NOISE_STATISTICS as NOISE_STATISTICS
-from .reporting import format_summary, with_parts
+from .reporting import SkipWarnings, format_summary, with_parts
 from .window_driver import WindowDriver
 from .window_plan import WindowPlan
 
@@ -187,12 +187,13 @@ class GradientAccumulationLogic(_LogicBase):
         given = locals()  # the math settings are declared once, by `AccumulationSettings`, which checks them
         implied = {"noise_scale": True} if policy.adaptive else {}  # "auto" decides from the noise scale
         self.settings = AccumulationSettings(**{name: given[name] for name in SETTINGS} | implied)
-        check_item_count_fn(item_count_fn, weighted=self.settings.mode.weighted, scaling=scaling)
+        self.piece_size = check_piece_size(piece_size)
+        weighted, pieces = self.settings.mode.weighted, self.piece_size is not None
+        check_item_count_fn(item_count_fn, weighted=weighted, scaling=scaling, pieces=pieces)
         self.item_count_fn = item_count_fn
         if not isinstance(log_stats, bool):
             raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
         self.log_stats = log_stats
-        self.piece_size = check_piece_size(piece_size)
         self.split_fn = check_split_fn(split_fn)
         if not isinstance(oom_snapshot, bool):
             raise TypeError(f"Expected argument `oom_snapshot` to be a bool, but got {oom_snapshot!r}.")
@@ -214,6 +215,8 @@ class GradientAccumulationLogic(_LogicBase):
         self._fit: Fit | None = None  # what the parts of the current (or last) fit share
         self._parts = Parts([])  # the parts of the current (or last) fit, from train start
         self._reporting: ReportingPart | None = None
+        self._skips = SkipWarnings()  # steps skipped for non-finite gradients: warned of over the fits
+        self._once: set[str] = set()  # what is said or read once over the fits (a count's warning)
         self._log_dir: str | None = None  # the last fit's logger's, for `summary()`
         self._trained = False  # training started in the current fit (`on_train_start`)
         self._accumulate_in_backward = True  # buffers filled inside the backward (False: after; benchmarks)
@@ -316,7 +319,16 @@ class GradientAccumulationLogic(_LogicBase):
             sharded_reduction=self.sharded_reduction,
             warn=self._api.rank_zero_warn,
         )
-        self._fit = Fit(trainer, pl_module, self._api, layout, scaler=scaler, verify=self._verifier())
+        self._fit = Fit(
+            trainer,
+            pl_module,
+            self._api,
+            layout,
+            scaler=scaler,
+            verify=self._verifier(),
+            skips=self._skips,
+            once=self._once,
+        )
         self._go_first(trainer)
 
     def _verifier(self) -> Callable[[str], None]:

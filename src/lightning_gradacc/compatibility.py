@@ -160,16 +160,24 @@ def check_gradient_clip_val(
         )
 
 
-def check_cuda_graphs(trainer: pl.Trainer, pl_module: pl.LightningModule, largest_k: int | None) -> None:
+def check_cuda_graphs(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, largest_k: int | None, pieces: bool = False
+) -> None:
     """Refuse accumulation on CUDA with a compile that captures CUDA graphs.
 
     Replaying a graph overwrites the gradients the last one returned (pytorch #169545, #181723), so
     ``.grad`` would not be the window's. On a CPU the same compile captures no graph (inductor skips it
-    there) and runs exactly.
+    there) and runs exactly. Checked at ``setup`` and again at train start, after ``configure_model`` (where
+    Lightning has a model compiled) on the model as the strategy wrapped it; batches in ``pieces`` run
+    several backwards into ``.grad`` per step, as K > 1 does.
     """
-    if not _accumulates(largest_k) or trainer.strategy.root_device.type != "cuda":
+    if not (_accumulates(largest_k) or pieces) or trainer.strategy.root_device.type != "cuda":
         return
-    found = compiled_with_cuda_graphs(pl_module)
+    model = getattr(trainer, "model", None)
+    model = model if isinstance(model, torch.nn.Module) else None
+    found = compiled_with_cuda_graphs(pl_module) or (
+        None if model is None else compiled_with_cuda_graphs(model)
+    )
     context = internals.compiled_module_context(pl_module)
     if found is None and context is not None:
         reason = dynamo_context_uses_cuda_graphs(context)
@@ -408,7 +416,7 @@ CHECKS: dict[Phase, tuple[Callable[[RunFacts], None], ...]] = {
         lambda f: check_gradient_clip_val(f.api, f.trainer, f.callback.settings),
         lambda f: check_grad_scaler(f.api, f.scaler, f.callback.settings.overflow),
         lambda f: check_driven_precision(f.trainer, f.callback.plan.run.per_window),
-        lambda f: check_cuda_graphs(f.trainer, f.pl_module, _largest_k(f)),
+        lambda f: check_cuda_graphs(f.trainer, f.pl_module, _largest_k(f), f.callback.piece_size is not None),
     ),
     "reduction": (
         lambda f: check_sharded_reduction(
@@ -430,6 +438,7 @@ CHECKS: dict[Phase, tuple[Callable[[RunFacts], None], ...]] = {
             lambda trainer: f.callback.estimated_stepping_batches(trainer, most=True),
         ),
         lambda f: warn_ddp_comm_hook(f.api, f.trainer.strategy) if f.reduction.core_reduces else None,
+        lambda f: check_cuda_graphs(f.trainer, f.pl_module, _largest_k(f), f.callback.piece_size is not None),
     ),
     "window_end": (lambda f: check_window_can_end(f.reduction, f.callback.sharded_reduction),),
 }

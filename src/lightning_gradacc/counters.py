@@ -117,13 +117,16 @@ def first_tensor_length(batch: Any) -> int | None:
     return None
 
 
-def check_item_count_fn(item_count_fn: Any, *, weighted: bool, scaling: str) -> None:
-    """Refuse an ``item_count_fn`` that is not callable, or one given without ``scaling="weighted"``.
+def check_item_count_fn(item_count_fn: Any, *, weighted: bool, scaling: str, pieces: bool = False) -> None:
+    """Refuse an ``item_count_fn`` that is not callable, or one that counts for nothing.
+
+    It weights micro-batches (``scaling="weighted"``) and the pieces of a batch (``piece_size``).
 
     Args:
         item_count_fn: The callback's argument (``None``: none given).
         weighted: Whether the scaling is ``"weighted"`` (aliases resolved).
         scaling: The ``scaling`` argument as given, for the message.
+        pieces: Whether batches may run in pieces (``piece_size``).
     """
     if item_count_fn is None:
         return
@@ -131,10 +134,10 @@ def check_item_count_fn(item_count_fn: Any, *, weighted: bool, scaling: str) -> 
         raise TypeError(
             f"Expected argument `item_count_fn` to be callable (batch -> number), but got {item_count_fn!r}."
         )
-    if not weighted:
+    if not weighted and not pieces:
         raise ValueError(
-            f"Argument `item_count_fn` is only used with `scaling='weighted'`, but got"
-            f" scaling={scaling!r}. Set `scaling='weighted'` or remove `item_count_fn`."
+            f"Argument `item_count_fn` is only used with `scaling='weighted'` or `piece_size`, but got"
+            f" scaling={scaling!r} and no `piece_size`. Set `scaling='weighted'` or remove `item_count_fn`."
         )
 
 

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .batch_pieces import SplitFn, batch_length, items_or, pieces_of
+from .batch_pieces import SplitFn, UnsplittableBatch, batch_length, items_or, pieces_of
 from .core.pieces import MicroBatchPieces
 from .core.torch_internals import (
     ddp_backward_syncs,
@@ -134,8 +134,10 @@ class PieceRunner:
         self._checked = False  # "auto": the first batch was checked to be splittable
         self._warn: Callable[[str], Any] = _ignore
         self._announced: int | None = None  # the last size announced (rank zero, once per size)
+        self._mixing_checked = False
         self._lightning_k: Callable[[], int] = _one
         self._mark: Callable[[bool], None] = _ignore_mark
+        self._counts_batch_itself = False
 
     @property
     def auto(self) -> bool:
@@ -171,19 +173,14 @@ class PieceRunner:
         self._trainer = trainer
         self._accumulator = accumulator
         self._length = batch_length if self.split_fn is None else items_or(extract)
-        self._count = count if count is not None else self._length
+        # a piece's share of the items: the counter's, else the first dimension its tensors share (a batch
+        # whose tensors disagree, e.g. images per item beside the items, has no such count: refused)
+        self._count = count if count is not None else batch_length if self.split_fn is None else _unambiguous
+        self._counts_batch_itself = count is None and self.split_fn is not None  # not Lightning's inference
         self._world_size = trainer.world_size
         self._checked = False
         self._warn, self._lightning_k, self._mark = warn, lightning_k, mark
-        mixing = items_mixed_in_forward(trainer.lightning_module)
-        if mixing is not None:
-            warn(
-                f"`piece_size={self.setting!r}` runs each batch as pieces, but `{mixing}` normalizes over the"
-                " items of its forward (BatchNorm in training mode): each piece is normalized by its own"
-                " statistics, so the forward, and the gradient, are not the whole batch's. Pieces are exact"
-                " for forwards that treat each item on its own (LayerNorm, GroupNorm, BatchNorm in eval"
-                " mode); a loss over pairs of items in the batch (in-batch negatives) is not either."
-            )
+        self._mixing_checked = False  # a forward mixing the items is warned of at the first batch cut
         self._announced = self.counters.size
         self.counters.new_retries = 0
         self.counters.allocator_retries = self._allocator_retries() or 0
@@ -191,10 +188,13 @@ class PieceRunner:
     def uninstall(self) -> None:
         """Give the strategy and the plugin their own methods back (end of the fit, or an error)."""
         installed, self._installed = self._installed, None
-        self._run = None
+        self._run, self._handle, self._accumulator, self._trainer = None, None, None, None
+        # what holds the fit goes: the runner is pickled with the callback (`ddp_spawn`) after a fit
+        self._warn, self._lightning_k, self._mark = _ignore, _one, _ignore_mark
         if installed is not None:
             strategy, plugin = installed
             del strategy.training_step, plugin.backward  # the instance attributes: the class's show again
+            del self._step, self._backward, self._scaler  # bound to the fit's strategy and plugin
 
     # ------------------------------------------------------------------------------------ per batch
 
@@ -356,6 +356,14 @@ class PieceRunner:
         # the allocator retried before it raised: that is this error, not thrashing to halve for again
         self.counters.allocator_retries = self._allocator_retries() or 0
         size = self.counters.size
+        again = self._pieces_of(piece, size)
+        if self.split_fn is not None and max(self._length(part) for part in again) >= length:
+            raise RuntimeError(
+                f"`split_fn` was asked for pieces of at most {size} items of a piece of {length} that ran out"
+                f" of memory, and returned pieces of {[self._length(part) for part in again]}: no smaller"
+                " one, so halving would not end. Cut the batch into pieces of at most `size` items (its"
+                f" second argument). The error: {message}"
+            )
         self._set_pieces(run, [part for old in run.pieces for part in self._pieces_of(old, size)])
         run.loss_sum = None if backward else run.loss_sum
 
@@ -406,15 +414,30 @@ class PieceRunner:
         self._set_pieces(run, self._pieces_of(run.batch, self.counters.size))  # type: ignore[arg-type]
 
     def _pieces_of(self, batch: Any, size: int) -> list[Any]:
-        return pieces_of(batch, max(1, size), self.split_fn, self._length)
+        return pieces_of(batch, max(1, size), self.split_fn)
 
     def _set_pieces(self, run: _Run, pieces: list[Any]) -> None:
         """The pieces still to run, less those without items (counted on the host: a forward skipped)."""
         run.shares.clear()  # new pieces (an id may be a freed one's)
         run.pieces = pieces
+        if len(pieces) > 1 and not self._mixing_checked:
+            self._mixing_checked = True
+            self._warn_of_mixing()
         if len(pieces) > 1:
             kept = [p for p in pieces if not (isinstance(s := self._share(p, run), float) and s == 0.0)]
             run.pieces = kept or pieces[:1]  # a batch without items runs as one piece, as it would whole
+
+    def _warn_of_mixing(self) -> None:
+        """A module whose forward mixes the batch's items (BatchNorm in training): pieces change it."""
+        mixing = items_mixed_in_forward(self._trainer.lightning_module)
+        if mixing is not None:
+            self._warn(
+                f"`piece_size={self.setting!r}` runs each batch in pieces, but `{mixing}` normalizes over the"
+                " items of its forward (BatchNorm in training mode): each piece is normalized by its own"
+                " statistics, so the forward, and the gradient, are not the whole batch's. Pieces are exact"
+                " for forwards that treat each item on its own (LayerNorm, GroupNorm, BatchNorm in eval"
+                " mode); a loss over pairs of items in the batch (in-batch negatives) is not either."
+            )
 
     def _forward_failed(self) -> None:
         """DDP broadcast its buffers at the start of the failed forward: the next must not do it again."""
@@ -461,7 +484,9 @@ class PieceRunner:
         return share
 
     def _count_share(self, piece: Any, run: _Run) -> float | Tensor:
-        total = run.items if run.items is not None else self._count(run.batch)
+        total = (
+            run.items if run.items is not None and not self._counts_batch_itself else self._count(run.batch)
+        )
         part = total if piece is run.batch else self._count(piece)
         if isinstance(total, Tensor) or isinstance(part, Tensor):
             total_t = torch.as_tensor(total)
@@ -531,6 +556,18 @@ def items_mixed_in_forward(module: torch.nn.Module) -> str | None:
         if isinstance(submodule, _BATCH_NORMS) and submodule.training:
             return name or type(submodule).__name__
     return None
+
+
+def _unambiguous(piece: Any) -> int:
+    """The items of a ``split_fn``'s piece, where its tensors agree on their first dimension."""
+    try:
+        return batch_length(piece)
+    except UnsplittableBatch as error:
+        raise ValueError(
+            "With `split_fn`, each piece's loss is weighted by its share of the batch's items, which cannot"
+            f" be counted here: {error} Pass `item_count_fn` (e.g. `lambda batch: len(batch['input_ids'])`)"
+            " to count the items of a batch and of its pieces."
+        ) from None
 
 
 def _ignore(message: str) -> None:

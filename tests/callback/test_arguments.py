@@ -37,7 +37,11 @@ from lightning_gradacc import GradientAccumulationCallback
         ({"scaling": "median"}, ValueError, "`scaling` to be one of .* but got 'median'"),
         ({"overflow": "retry"}, ValueError, "`overflow` to be one of .* but got 'retry'"),
         ({"scaling": "weighted", "item_count_fn": 3}, TypeError, "`item_count_fn` to be callable"),
-        ({"item_count_fn": len}, ValueError, "`item_count_fn` is only used with `scaling='weighted'`"),
+        (
+            {"item_count_fn": len},
+            ValueError,
+            "`item_count_fn` is only used with `scaling='weighted'` or `piece_size`",
+        ),
         ({"max_grad_norm": 0}, ValueError, "`max_grad_norm` to be a positive float or None, but got 0"),
         ({"max_grad_norm": -1.0}, ValueError, "`max_grad_norm` to be a positive float or None, but got -1.0"),
         (

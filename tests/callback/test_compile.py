@@ -107,7 +107,17 @@ def test_cuda_graphs_with_accumulation_are_refused_on_cuda_and_left_alone_on_a_c
     with pytest.raises(RuntimeError, match=r"`net` .*capture CUDA graphs.*#169545.*mode='default'"):
         check_cuda_graphs(trainer("cuda"), module, 4)  # type: ignore[arg-type]
     check_cuda_graphs(trainer("cuda"), module, 1)  # type: ignore[arg-type]  # K=1 accumulates nothing
+    with pytest.raises(RuntimeError, match="capture CUDA graphs"):  # but K=1 in pieces does
+        check_cuda_graphs(trainer("cuda"), module, 1, pieces=True)  # type: ignore[arg-type]
     check_cuda_graphs(trainer("cpu"), module, 4)  # type: ignore[arg-type]
+    # compiled in `configure_model` (after `setup`): seen at train start, in the model the strategy holds
+    plain = h.RegressionModule(h.regression_data(8))
+    wrapped = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cuda")),
+        model=torch.compile(plain, mode="reduce-overhead"),
+    )
+    with pytest.raises(RuntimeError, match="capture CUDA graphs"):
+        check_cuda_graphs(wrapped, plain, 4)  # type: ignore[arg-type]
 
 
 def test_reduce_overhead_on_a_cpu_steps_the_big_batch() -> None:

@@ -151,3 +151,26 @@ def test_validating_a_mid_window_checkpoint_leaves_the_next_fit_alone(tmp_path: 
     expected = h.big_batch_reference(loaded, h.regression_data(40), BATCH, h.windows(10, 4), h.mse)
     assert h.max_abs_diff(module.net, expected) < 1e-6
     assert (callback.stats.windows, callback.stats.total_micro_batches) == (3, 10)
+
+
+class AddsAGroupAfterBackward(h.RegressionModule):
+    """The optimizer steps `net.0` only; the module's own `on_after_backward` (after the callback's) adds
+    `net.2` at micro-batch 2, the last of window 0 (K=3)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net[0].parameters(), lr=self.lr)
+
+    def on_after_backward(self) -> None:
+        optimizer = self.trainer.optimizers[0]
+        if self.micro_batches_seen == 3 and len(optimizer.param_groups) == 1:
+            optimizer.add_param_group({"params": list(self.net[2].parameters())})
+
+
+def test_a_group_added_in_the_module_s_on_after_backward_is_normalized_and_clipped_in_its_window() -> None:
+    module = AddsAGroupAfterBackward(h.regression_data(36))
+    fit(module, GradientAccumulationCallback(3, max_grad_norm=0.1))
+    # `net.2` held its gradient since the window opened: it steps as if it were there from the start
+    expected = h.big_batch_reference(
+        h.regression_net(), h.regression_data(36), 4, h.windows(9, 3), h.mse, max_grad_norm=0.1
+    )
+    assert h.max_abs_diff(module.net, expected) < 1e-6

@@ -709,3 +709,80 @@ def test_a_batch_norm_in_training_mode_is_warned_of_since_pieces_change_its_forw
         pieces = fit(module(), GradientAccumulationCallback(2, piece_size=3))
     whole = fit(module(), GradientAccumulationCallback(2))
     assert h.max_abs_diff(pieces.lightning_module.net, whole.lightning_module.net) > 1e-2  # what it warns of
+
+
+def test_a_callback_that_ran_pieces_pickles_for_a_later_ddp_spawn_fit() -> None:
+    import pickle
+
+    for size in (2, "auto"):
+        callback = GradientAccumulationCallback(2, piece_size=size)
+        caps = {"forward_cap": Cap(), "backward_cap": Cap()}  # picklable, as a spawned module must be
+        fit(OomModule(h.regression_data(40), batch_size=8, **caps), callback)
+        restored = pickle.loads(pickle.dumps(callback))  # what `ddp_spawn` does with it
+        module = OomModule(h.regression_data(40), batch_size=8, **caps)
+        fit(module, restored)
+        assert h.max_abs_diff(module.net, reference(h.regression_data(40), 8, h.windows(5, 2))) < 1e-6
+
+
+def items_of(batch: dict[str, Any]) -> int:
+    return len(batch["x"])
+
+
+def test_a_split_fn_of_items_beside_a_tensor_of_another_length_counts_them_with_item_count_fn() -> None:
+    """Items with a variable number of images each, the images first: the tensors disagree on their first
+    dimension, so neither the pieces nor the batch can be counted from them (Lightning's inference would read
+    the images): refused without `item_count_fn`, exact with it; a split that returns the piece that ran out
+    of memory again is stopped (it would halve forever)."""
+    data = h.regression_data(40)
+
+    class WithImages(OomModule):
+        def train_dataloader(self) -> Any:
+            x, y = data.tensors
+            return h.BatchList(
+                [
+                    {"images": torch.zeros(2 * 8 + 1, 3), "x": x[i : i + 8], "y": y[i : i + 8]}
+                    for i in range(0, 40, 8)
+                ]
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            if self.forward_cap(batch_idx) is not None and len(batch["x"]) > self.forward_cap(batch_idx):
+                self.ooms += 1
+                raise torch.OutOfMemoryError(f"{OOM} in a forward")
+            self.forwards.append(len(batch["x"]))
+            return h.mse(self.net, batch["x"], batch["y"])
+
+    def by_items(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
+        n = len(batch["x"])
+        return [
+            {
+                "images": batch["images"][2 * i : 2 * min(i + size, n) + 1],
+                "x": batch["x"][i : i + size],
+                "y": batch["y"][i : i + size],
+            }
+            for i in range(0, n, size)
+        ]
+
+    with pytest.raises(ValueError, match=r"cannot be counted here.*Pass `item_count_fn`"):
+        fit(WithImages(data, batch_size=8), GradientAccumulationCallback(2, piece_size=3, split_fn=by_items))
+    module = WithImages(data, batch_size=8)
+    fit(module, GradientAccumulationCallback(2, piece_size=3, split_fn=by_items, item_count_fn=items_of))
+    assert module.forwards == [3, 3, 2] * 5
+    assert h.max_abs_diff(module.net, reference(data, 8, h.windows(5, 2))) < 1e-6
+    stuck = WithImages(data, batch_size=8, forward_cap=Cap(since={1: 4}))
+    callback = GradientAccumulationCallback(
+        2, piece_size="auto", split_fn=lambda batch, size: [batch], item_count_fn=items_of
+    )
+    with pytest.raises(RuntimeError, match="no smaller one, so halving would not end"):
+        fit(stuck, callback)
+
+
+def test_whole_batches_do_not_warn_of_a_batch_norm() -> None:
+    module = OomModule(h.regression_data(24), batch_size=6)
+    module.net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(module, GradientAccumulationCallback(2, piece_size="auto"))
+    assert not [w for w in caught if "BatchNorm" in str(w.message)]

@@ -151,6 +151,7 @@ class GradAccumulator(OptimizerStepping):
         self._grad_hooks = BufferHooks(self._buffers) if self._buffers is not None else None
         self._statistics = RunStatistics(self.device, self._ledger_dtype)
         self._noise = noise_scale_for(settings, tracked, device=self.device, dtype=self._ledger_dtype)
+        self._measures_noise = settings.noise_scale  # else its points do nothing: not even called
         self._weighting = ItemWeighting(
             settings.mode.weighted, self._world, device=self.device, dtype=self._ledger_dtype
         )
@@ -222,8 +223,9 @@ class GradAccumulator(OptimizerStepping):
             self._arm_hooks(False)
             self._watch_backward()  # a parameter unfrozen since the last window is hooked now
         # the noise scale hooks only the windows it measures (one in `noise_scale_every`)
-        measured = self._statistics.windows % self.settings.noise_scale_every == 0
-        self._noise.open_window(measured, self._tracked)
+        if self._measures_noise:
+            measured = self._statistics.windows % self.settings.noise_scale_every == 0
+            self._noise.open_window(measured, self._tracked)
         return Window(buffered=self._buffers is not None, device=self.device, dtype=self._ledger_dtype)
 
     @property
@@ -325,8 +327,10 @@ class GradAccumulator(OptimizerStepping):
         scale then ignores gradients of other passes since the last record (a gradient penalty's), and with
         buffers each gradient goes into its buffer inside the backward (else :meth:`record` moves it).
         """
-        self._noise.begin_backward()
-        self._arm_hooks(self._window.new_gradients_to_buffers)
+        if self._measures_noise:
+            self._noise.begin_backward()
+        if self._grad_hooks is not None:
+            self._grad_hooks.armed = self._window.new_gradients_to_buffers
 
     def begin_micro_batch(
         self,
@@ -506,7 +510,8 @@ class GradAccumulator(OptimizerStepping):
             reevaluation: The same micro-batch evaluated again for the same step (an optimizer such as
                 LBFGS calls its closure several times): not counted in ``total_micro_batches``.
         """
-        self._arm_hooks(False)  # what the hooks took is in the buffers; what they did not, `.grad` holds
+        if self._grad_hooks is not None:  # what the hooks took is in the buffers; what not, `.grad` holds
+            self._grad_hooks.armed = False
         window = self._window
         count = items if isinstance(items, ItemCount) else self.weigh(items)
         if count.problem is not None or count.check is not None:
@@ -514,11 +519,13 @@ class GradAccumulator(OptimizerStepping):
         to_buffers = window.new_gradients_to_buffers
         keep = self._intake.absorb(window, count) if to_buffers and self._intake is not None else None
         window.tally.record(count.items, loss, keep, count.weight if self._weighting.weighted else None)
-        self._noise.record_micro_batch(
-            count.items, count.weight, self._scale.value, reevaluation=reevaluation
-        )
+        if self._measures_noise:
+            self._noise.record_micro_batch(
+                count.items, count.weight, self._scale.value, reevaluation=reevaluation
+            )
         window.record_micro_batch(in_buffers=to_buffers)
-        self._statistics.record_micro_batch(reevaluation=reevaluation)
+        if not reevaluation:  # a re-evaluation of the same micro-batch counts once
+            self._statistics.total_micro_batches += 1
 
     def flush_to_grad(self) -> None:
         """Write the buffered window into ``.grad`` so that the next backward adds to it (once per window).
@@ -583,9 +590,14 @@ class GradAccumulator(OptimizerStepping):
             self._window = self._new_window()
             return False
         try:
+            ranks = self._world.resolve()  # once per boundary: `torch.distributed` asked once
+            if ranks[0] == 1 and not (on_device or read_statistics or reevaluation):
+                stepped_plainly = self._end.close_plain(window, full=self.window_full)
+                if stepped_plainly is not None:
+                    return stepped_plainly
             stepped, self.device_step = self._end.close(
                 window,
-                ranks=self._world.resolve(),  # once per boundary: `torch.distributed` asked once
+                ranks=ranks,
                 full=self.window_full,
                 reevaluation=reevaluation,
                 read_statistics=read_statistics,

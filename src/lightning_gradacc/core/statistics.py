@@ -454,6 +454,35 @@ class Ledger:
         vector = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in scalars])
         return vector if vector.dtype == self.dtype else vector.to(self.dtype)
 
+    def fold_numbers(self, values: Mapping[str, float], window_loss: Deferred) -> bool:
+        """Fold one window of host numbers, its loss computed only if read; ``False``: rows wait (fold them).
+
+        The window's end in its plain form (:meth:`WindowEnd.close_plain`): no value is a tensor or a
+        function, so none is asked; the leaders' followers and the folds are the declared ones.
+        """
+        if self._pending or self._held is not None:
+            return False
+        self._deferred["window_loss"] = window_loss
+        host = self._host
+        for name, value in values.items():
+            fold = _FOLD[name]
+            if fold == "sum":
+                host[name] += value
+            elif fold == "last":
+                host[name] = value
+            elif value == value and value not in (math.inf, -math.inf) and not value <= host[name]:
+                host[name] = value  # a larger finite maximum
+        for leader, follower in _FOLLOWERS:
+            new = values.get(leader)
+            if (
+                new is not None
+                and new == new
+                and new not in (math.inf, -math.inf)
+                and not new <= host[follower]
+            ):
+                host[follower] = new
+        return True
+
     def _fold_host(self, values: Mapping[str, float]) -> None:
         host = self._host
         for name, value in values.items():
@@ -631,6 +660,16 @@ class RunStatistics:
         self.micro_batches_last_step = micro_batches
         if not reevaluation:
             self.windows += 1
+
+    def close_window_numbers(
+        self, statistics: Mapping[str, float], window_loss: Deferred, *, micro_batches: int
+    ) -> bool:
+        """Fold and count a window of host numbers (:meth:`Ledger.fold_numbers`); ``False``: not folded."""
+        if not self._ledger.fold_numbers(statistics, window_loss):
+            return False
+        self.micro_batches_last_step = micro_batches
+        self.windows += 1
+        return True
 
     def close_empty_window(self, *, reevaluation: bool = False) -> None:
         """Fold a window in which no micro-batch was recorded: each statistic's declared ``empty`` value."""

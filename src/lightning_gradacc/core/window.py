@@ -126,11 +126,13 @@ class WindowTally:
         self.loss_weights: list[float | Tensor] = []
         self.problems: list[str] = []  # invalid counts found on the host: messages
         self.checks: list[InvalidCount] = []  # counts given as tensors: checked at the boundary
+        self.on_device = False  # a quantity or a check waits on the device (else every total is a number)
 
     def add(self, name: str, value: Scalar) -> None:
         """Add ``value`` to quantity ``name`` (a device scalar waits for the boundary; no kernel here)."""
         if isinstance(value, Tensor):
             self.pending[name].append(value)
+            self.on_device = True
         else:
             self.host[name] += value
 
@@ -140,6 +142,7 @@ class WindowTally:
             self.problems.append(problem)
         if check is not None:
             self.checks.append(check)
+            self.on_device = True
 
     def record(
         self,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .boundary import Decision, Norms, apply_, decide
+from .boundary import EPS, Decision, Norms, apply_, combine_on_host, decide
 from .buffers import GradBuffers
 from .kernels import GroupKey, combine_norms, non_finite_names
 from .noise import TOTALS as NOISE_TOTALS
@@ -37,7 +37,7 @@ from .parameters import TrackedParameters
 from .scalars import Flag, Scalar, as_scalar, both, either, negate
 from .settings import AccumulationSettings
 from .statistics import RunStatistics
-from .torch_internals import DeviceStep
+from .torch_internals import DeviceStep, device_has_foreach
 from .weighting import GradientScale, ItemWeighting
 from .window import LOSS, SUMMED, Measurement, Packet, Window, mean_loss
 from .world import AllReduce
@@ -76,6 +76,10 @@ def _stacked(scalars: list[Tensor], device: torch.device) -> Tensor:
     return torch.stack(scalars) if scalars else torch.zeros(0, device=device)
 
 
+# the largest finite total norm in the dtype norms are combined in (beyond: `inf`, as on the device)
+_LARGEST = {dtype: torch.finfo(dtype).max for dtype in (torch.float32, torch.float64)}
+
+
 @dataclass
 class WindowEnd:
     """The five steps of a window's end, over the accumulator's parts (see the module).
@@ -111,6 +115,23 @@ class WindowEnd:
     riders: dict[str, float] = field(default_factory=dict)
     ridden: Tensor | list[float] = field(default_factory=list)
     rider_names: tuple[str, ...] = ()
+    plain: bool = field(init=False)  # the settings and parts let a window end in its plain form
+
+    def __post_init__(self) -> None:
+        settings = self.settings
+        self.plain = (
+            self.buffers is None
+            and self.reduce_buffers is None
+            and isinstance(self.noise, NoNoiseScale)
+            and self.scale.scaler is None
+            and settings.clip_value is None
+            and settings.clip_scope == "global"
+            and settings.norm_type == 2.0
+            and not settings.per_micro_batch
+            and settings.overflow in ("skip", "raise")
+            and self.foreach is not False
+            and device_has_foreach(self.tracked.device.type)
+        )
 
     @property
     def device(self) -> torch.device:
@@ -131,6 +152,79 @@ class WindowEnd:
                 f"`finalize(on_device=True)` cannot decide on the device with {given}: `overflow='raise'`"
                 " raises at the step, and a GradScaler skips the step itself."
             )
+
+    def close_plain(self, window: Window, *, full: bool) -> bool | None:
+        """End a window in its plain form, with the least Python: ``None`` where it does not apply.
+
+        The default window's end (one process, gradients in ``.grad`` in one dtype, numbers counted on the
+        host, no clipping by value or per parameter, no noise scale, a host decision) needs the total norm,
+        its finiteness and one host read; the statistics are folded as host numbers in one call. What is not
+        plain, or turns out not to be (a non-finite or empty window), takes :meth:`close`, from its start
+        (nothing is changed before): the same arithmetic, the same result.
+        """
+        tally, tracked = window.tally, self.tracked
+        if not self.plain or tally.on_device or tally.problems or self.riders or tracked.sharded:
+            return None
+        groups = tracked.grad_groups
+        if len(groups) != 1:
+            return None
+        ((_, dtype),) = groups
+        grads = [param.grad for _, param in tracked.named if param.grad is not None]
+        if not grads or grads[0].requires_grad:  # nothing to step, or `create_graph`: the general path
+            return None
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        try:
+            each = torch._foreach_norm(grads, 2.0, dtype=wide)
+        except NotImplementedError:  # e.g. a sparse gradient: the general path says what is wrong
+            return None
+        values = torch.stack(each).tolist()  # the one host read
+        total = math.hypot(*values)  # `combine_on_host`'s, for finite norms within the dtype
+        if not total <= _LARGEST[wide]:
+            total = combine_on_host(values, 2.0, wide)  # nan, or inf (beyond the dtype too)
+        settings, host = self.settings, tally.host
+        mode, micro_batches = settings.mode, window.micro_batches
+        factor: float = mode.factor(  # type: ignore[assignment]  # host numbers: a number
+            micro_batches,
+            dropped=0.0,
+            weights=host["weights"],
+            loss_scale=self.scale.loss_scale,
+            world_size=1,
+        )
+        norm = total * factor
+        finite = norm - norm == 0.0  # neither nan nor inf, without a call
+        has_items = host["weights"] > 0 if mode.weighted else True
+        multiplier, clipped = factor, False
+        if settings.max_grad_norm is not None and finite:
+            coefficient = min(settings.max_grad_norm / (norm + EPS), 1.0)
+            clipped, multiplier = coefficient < 1.0, coefficient * factor
+        items, gradient_scale = host["items"], self.scale.loss_scale
+        window_values = {
+            "non_finite_windows": 0.0 if finite else 1.0,
+            "skipped_steps": 1.0 if not finite and has_items and settings.overflow == "skip" else 0.0,
+            "empty_windows": 0.0 if has_items else 1.0,
+            "clipped_steps": 1.0 if clipped else 0.0,
+            "last_grad_norm": norm,
+            "items_last_step": items,
+            "items_seen": items,
+            **({"items_last_full_step": items} if full else {}),
+        }
+
+        def window_loss() -> Scalar:  # computed only if it is read before the next window closes
+            return mean_loss(*tally.loss_totals(), gradient_scale)
+
+        if not self.statistics.close_window_numbers(window_values, window_loss, micro_batches=micro_batches):
+            return None  # earlier windows' values wait on the device: the general path folds them
+        self.weighting.rebase(items, micro_batches)
+        if not (finite and has_items):
+            if has_items and settings.overflow == "raise":
+                named = [(n, t) for n, t in zip(tracked.names, tracked.grads(), strict=True) if t is not None]
+                raise GradientOverflowError(self.statistics.windows - 1, non_finite_names(named))
+            tracked.set_grads_to_none()
+            return False
+        if multiplier != 1.0:  # a scalar tensor on a CPU is up to 3x faster there (see `kernels._scale`)
+            on_cpu = grads[0].device.type == "cpu"
+            torch._foreach_mul_(grads, torch.full((), multiplier, dtype=wide) if on_cpu else multiplier)
+        return True
 
     def close(
         self,

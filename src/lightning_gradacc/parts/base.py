@@ -44,7 +44,6 @@ Declaration = Mapping[str, "Share | Declaration"]
 
 # The hooks a part may take, in the order a fit calls them (the Lightning hook each runs in).
 HOOKS = (
-    "setup",  # setup(stage="fit"): the plan started, the layout's checks made
     "train_start",  # on_train_start
     "epoch_start",  # on_train_epoch_start
     "batch_start",  # on_train_batch_start
@@ -95,7 +94,8 @@ class Fit:
         warn: Warns on rank zero.
         verify: Runs the run checks of a phase (``compatibility.CHECKS``).
         discard: Drops an open window that can no longer end in a step (every part's ``window_discarded``).
-        skips: Warns of steps skipped for non-finite gradients.
+        skips: Warns of steps skipped for non-finite gradients (the callback's, over its fits).
+        once: What was said or done once for the callback (over its fits).
         stepped_on_device: Whether a step of this fit was decided on the device.
     """
 
@@ -108,6 +108,8 @@ class Fit:
         *,
         scaler: torch.amp.GradScaler | None,
         verify: Callable[[str], None],
+        skips: SkipWarnings | None = None,
+        once: set[str] | None = None,
     ) -> None:
         self.trainer, self.pl_module, self.api, self.layout = trainer, pl_module, api, layout
         self.scaler, self.verify, self.warn = scaler, verify, api.rank_zero_warn
@@ -115,7 +117,10 @@ class Fit:
         self.sync: WindowReduction | None = None
         self.batch = Batch(ended=True)
         self.discard: Callable[[str], None] = lambda why: None
-        self.skips = SkipWarnings()  # steps skipped for non-finite gradients, warned of at a falling rate
+        # the callback's, over its fits: steps skipped for non-finite gradients (warned of at a falling
+        # rate), and what is said or read once (a count's warning, the labels of "weighted")
+        self.skips = skips if skips is not None else SkipWarnings()
+        self.once: set[str] = once if once is not None else set()
         self.stepped_on_device = False  # a step of this fit was decided on the device (a fused optimizer)
 
 
@@ -132,9 +137,6 @@ class FitPart:
 
     def __init__(self, fit: Fit) -> None:
         self.fit = fit
-
-    def setup(self) -> None:
-        """``setup`` of a fit: the plan started, the layout's checks made."""
 
     def train_start(self) -> None:
         """Training starts: the wrapped model, the optimizers and the reduction are known."""
@@ -199,7 +201,6 @@ class Parts:
             setattr(self, hook, taken[::-1] if hook in REVERSED else taken)
 
     # one attribute per hook (set above); declared for the type checker
-    setup: tuple[Callable[[], None], ...]
     train_start: tuple[Callable[[], None], ...]
     epoch_start: tuple[Callable[[], None], ...]
     batch_start: tuple[Callable[[Any, int], None], ...]
@@ -242,7 +243,7 @@ class Parts:
 
 
 def _numbers(state: Any, declared: Share | Declaration, path: str) -> Iterator[tuple[str, Share, Any, Any]]:
-    """Every number of ``state`` with its path, its share and where it sits (a mapping and its key)."""
+    """Every number (or ``None``) of ``state`` with its path, its share and where it sits (mapping, key)."""
     if not isinstance(state, Mapping):
         return
     for key, value in state.items():
@@ -250,8 +251,8 @@ def _numbers(state: Any, declared: Share | Declaration, path: str) -> Iterator[t
         where = f"{path}.{key}" if path else str(key)
         if isinstance(value, Mapping):
             yield from _numbers(value, share, where)
-        elif (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and not isinstance(share, Mapping)
+        elif not isinstance(share, Mapping) and (
+            value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
         ):
             yield where, share, state, key
 
@@ -259,25 +260,45 @@ def _numbers(state: Any, declared: Share | Declaration, path: str) -> Iterator[t
 def agree_over_ranks(entry: dict[str, Any], declared: Declaration, device: torch.device) -> None:
     """Check the agreed numbers of ``entry`` equal over the ranks; reduce the smallest/largest ones, in place.
 
-    One all-reduce (a maximum) of ``[v, -v]`` for every number that is not local: the largest and the
-    smallest over the ranks.
+    Two all-reduces (maxima): how many numbers each rank holds, so that ranks holding different fields
+    fail by name rather than in the collective; then ``[v, -v]`` of every number that is not local, ``nan``
+    and ``None`` flagged apart (a maximum would hide them), for the largest and the smallest over the ranks.
+
+    Raises:
+        RuntimeError: An agreed number differs between the ranks, or the ranks hold different fields.
     """
     fields = [item for item in _numbers(entry, declared, "") if item[1] != "local"]
+    count = torch.tensor([len(fields), -len(fields)], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    if count[0] != -count[1]:
+        raise RuntimeError(
+            f"The ranks save different fields ({int(-count[1])} to {int(count[0])} numbers that are not"
+            " local): a checkpoint would keep one rank's view. This is a bug of"
+            " `GradientAccumulationCallback`; please report it."
+        )
     if not fields:
         return
-    values = torch.tensor(
-        [float(value[key]) for _, _, value, key in fields], dtype=torch.float64, device=device
-    )
-    both = torch.cat([values, -values])
+    numbers = [mapping[key] for _, _, mapping, key in fields]
+    flags = [2.0 if value is None else 1.0 if value != value else 0.0 for value in numbers]  # None, nan
+    values = [0.0 if flag else float(value) for value, flag in zip(numbers, flags, strict=True)]
+    vector = torch.tensor(values + flags, dtype=torch.float64, device=device)
+    both = torch.cat([vector, -vector])
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
-    largest, smallest = both[: len(fields)].tolist(), (-both[len(fields) :]).tolist()
-    for (where, share, mapping, key), high, low in zip(fields, largest, smallest, strict=True):
-        if share == "agreed" and not (high == low or (math.isnan(high) and math.isnan(low))):
-            raise RuntimeError(
-                f"`{where}` is saved as agreed over the ranks, but they hold {low} to {high}: a checkpoint"
-                " would keep one rank's view. This is a bug of `GradientAccumulationCallback`; please"
-                " report it."
+    size = len(fields)
+    high, low = both[:size].tolist(), (-both[2 * size : 3 * size]).tolist()
+    flag_high, flag_low = both[size : 2 * size].tolist(), (-both[3 * size :]).tolist()
+    for index, (where, share, mapping, key) in enumerate(fields):
+        if share == "agreed" and (high[index] != low[index] or flag_high[index] != flag_low[index]):
+            shown = (
+                "None, nan or a number"
+                if flag_high[index] != flag_low[index]
+                else f"{low[index]} to {high[index]}"
             )
-        if share in ("smallest", "largest"):
-            chosen = low if share == "smallest" else high
-            mapping[key] = type(mapping[key])(chosen) if math.isfinite(chosen) else chosen
+            raise RuntimeError(
+                f"`{where}` is saved as agreed over the ranks, but they hold {shown}: a checkpoint would keep"
+                " one rank's view. This is a bug of `GradientAccumulationCallback`; please report it."
+            )
+        if share in ("smallest", "largest") and flag_high[index] == 0.0:  # numbers on every rank
+            chosen = low[index] if share == "smallest" else high[index]
+            value = mapping[key]
+            mapping[key] = type(value)(chosen) if math.isfinite(chosen) else chosen

@@ -50,10 +50,10 @@ class CoreStep(FitPart):
         fit, current, scaler, trainer = self.fit, self.fit.batch, self.fit.scaler, self.fit.trainer
         driver = fit.driver
         assert driver is not None
-        if not current.backward_ran:  # else the backward's hook just followed the groups
-            self.window.groups.follow(trainer, fit.pl_module, driver)
-            if not driver.window.empty:
-                fit.verify("window_end")
+        # a group the module's (or a later callback's) `on_after_backward` added is stepped too
+        self.window.groups.follow(trainer, fit.pl_module, driver)
+        if not current.backward_ran and not driver.window.empty:
+            fit.verify("window_end")
         # Under a GradScaler, Lightning neither unscales nor steps when the batch that ends a window returned
         # None: the window's earlier micro-batches would be dropped. The part steps it itself.
         steps_itself = (

@@ -46,7 +46,8 @@ class WindowPart(FitPart):
         # every counter is computed from quantities summed over the ranks; the memory peak is the process's
         "accumulator": {"peak_memory_bytes": "local", "*": "agreed"},
         "window": "agreed",  # summed over the ranks by the driver itself
-        "plan": "agreed",
+        # the position is the same on every rank; "auto"'s goodput timings are each rank's own clock
+        "plan": {"policy": {"timed": "local", "in_flight": "local", "*": "agreed"}, "*": "agreed"},
     }
 
     def __init__(
@@ -70,8 +71,6 @@ class WindowPart(FitPart):
         )
         self.groups = ParameterGroups()  # the optimizers' parameter groups the driver tracks
         self.asks_last = False  # whether a backward must know that it ends the window
-        self._warned_of_counts = False  # a count warning is shown once
-        self._labels_checked = False  # the labels of "weighted" without a counter: read once (a host read)
         self.driver: WindowDriver = None  # type: ignore[assignment]  # the fit's, built at train start
 
     # ---------------------------------------------------------------------------------------- the fit
@@ -162,13 +161,15 @@ class WindowPart(FitPart):
                 # A window opening where Lightning does not zero the gradients (the batch before was None
                 # from the dataloader, which skips every hook): it must not start from the last one's.
                 driver.reset(set_grads_to_none=True)
-        weighted = self.settings.mode.weighted
-        extract, check_labels = fit.api.extract_batch_size, not self._labels_checked
+        weighted, once = self.settings.mode.weighted, fit.once
+        # the labels of "weighted" without a counter are read once (a host read); a count's warning said once
+        extract, check_labels = fit.api.extract_batch_size, weighted and "labels" not in once
         counted = count_micro_batch(batch, batch_idx, self.item_count_fn, weighted, extract, check_labels)
         current.items, current.label, current.error = counted.items, counted.label, counted.error
-        self._labels_checked = self._labels_checked or weighted
-        if counted.warning is not None and not self._warned_of_counts:
-            self._warned_of_counts = True
+        if check_labels:
+            once.add("labels")
+        if counted.warning is not None and "counts" not in once:
+            once.add("counts")
             fit.warn(counted.warning)
 
     @override
