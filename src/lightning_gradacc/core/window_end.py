@@ -175,8 +175,8 @@ class WindowEnd:
         wide = torch.float64 if dtype == torch.float64 else torch.float32
         try:
             each = torch._foreach_norm(grads, 2.0, dtype=wide)
-        except NotImplementedError:  # e.g. a sparse gradient: the general path says what is wrong
-            return None
+        except (NotImplementedError, RuntimeError):  # a sparse gradient (torch 2.13 raises the first, 2.14
+            return None  # the second): the general path says what is wrong
         values = torch.stack(each).tolist()  # the one host read
         total = math.hypot(*values)  # `combine_on_host`'s, for finite norms within the dtype
         if not total <= _LARGEST[wide]:
