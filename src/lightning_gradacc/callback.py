@@ -190,10 +190,9 @@ class GradientAccumulationLogic(_LogicBase):
         self.piece_size = check_piece_size(piece_size)
         weighted, pieces = self.settings.mode.weighted, self.piece_size is not None
         check_item_count_fn(item_count_fn, weighted=weighted, scaling=scaling, pieces=pieces)
-        self.item_count_fn = item_count_fn
         if not isinstance(log_stats, bool):
             raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
-        self.log_stats = log_stats
+        self.item_count_fn, self.log_stats = item_count_fn, log_stats
         self.split_fn = check_split_fn(split_fn)
         if not isinstance(oom_snapshot, bool):
             raise TypeError(f"Expected argument `oom_snapshot` to be a bool, but got {oom_snapshot!r}.")
@@ -319,15 +318,9 @@ class GradientAccumulationLogic(_LogicBase):
             sharded_reduction=self.sharded_reduction,
             warn=self._api.rank_zero_warn,
         )
+        verify, skips, once = self._verifier(), self._skips, self._once  # skips and once: over the fits
         self._fit = Fit(
-            trainer,
-            pl_module,
-            self._api,
-            layout,
-            scaler=scaler,
-            verify=self._verifier(),
-            skips=self._skips,
-            once=self._once,
+            trainer, pl_module, self._api, layout, scaler=scaler, verify=verify, skips=skips, once=once
         )
         self._go_first(trainer)
 
