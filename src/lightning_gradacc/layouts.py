@@ -204,7 +204,8 @@ class DeepSpeed(Layout):
     """
 
     name = "DeepSpeed (ZeRO 0-2)"
-    provides: frozenset[str] = frozenset()  # the engine keeps, sums, clips and steps the window itself
+    # the engine keeps, sums, clips and steps the window itself; its optimizer's step takes the LR factor
+    provides: frozenset[str] = frozenset({"torch_step"})
     strategy = "deepspeed_strategy"
     engine_accumulates = True
 

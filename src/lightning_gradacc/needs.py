@@ -21,7 +21,7 @@ PROVISIONS = {
     "callback_buffers": "the window can be summed in buffers of the callback's",
     "any_clipping": "the final gradient can be clipped by any norm, by value or per parameter",
     "callback_overflow": "the callback decides what a non-finite gradient does",
-    "torch_step": "the optimizer steps as torch's, around which a learning-rate factor can be applied",
+    "torch_step": "the optimizer's step (torch's, or an engine's around it) can take a learning-rate factor",
     "fsdp_reduction": "the reduction of the window's gradient can be deferred to its last backward",
 }
 
@@ -112,8 +112,8 @@ NEEDS = (
         lambda c: "lr_scaling or lr_schedule",
         lambda c: c.plan.lr_scaling != "none" or c.plan.lr_schedule is not None,
         "torch_step",
-        "the learning-rate factor is applied around torch's optimizer step, which the engine's optimizer"
-        " wraps. Use an LR scheduler in `configure_optimizers`.",
+        "the learning-rate factor is applied around the optimizer's step, which this strategy does not"
+        " expose. Use an LR scheduler in `configure_optimizers`.",
         "`lr_scaling`, `lr_schedule`",
     ),
     Need(

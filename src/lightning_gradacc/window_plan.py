@@ -566,6 +566,9 @@ class WindowPlan:
         if not self._scales_lrs:
             return
         for optimizer in optimizers:
+            if not isinstance(optimizer, torch.optim.Optimizer):  # an engine's (DeepSpeed's ZeRO optimizer)
+                self._hooks.append(_AroundStep(optimizer, self._scale_lrs, self._unscale_lrs))
+                continue
             self._hooks.append(optimizer.register_step_pre_hook(self._scale_lrs))
             self._hooks.append(optimizer.register_step_post_hook(self._unscale_lrs))
 
@@ -637,3 +640,42 @@ class WindowPlan:
             )
         for message in self.run.resolve(batch_size, trainer.world_size):
             warn(message)
+
+
+class _AroundStep:
+    """Pre- and post-step hooks on an optimizer that is not torch's: its ``step`` wrapped on the instance.
+
+    DeepSpeed's ZeRO optimizer wraps torch's and steps it once per parameter group (with ``param_groups``
+    cut to that group): torch's hooks on the inner one would run once per group, so the factor goes around
+    the outer step, over its ``param_groups`` (the inner's dictionaries), once per window.
+
+    Example:
+        >>> class Engine:
+        ...     param_groups = [{"lr": 1.0}]
+        ...     def step(self): print("lr", self.param_groups[0]["lr"])
+        >>> engine = Engine()
+        >>> def double(o, args, kwargs): o.param_groups[0]["lr"] *= 2
+        >>> def halve(o, args, kwargs): o.param_groups[0]["lr"] /= 2
+        >>> hooks = _AroundStep(engine, double, halve)
+        >>> engine.step()
+        lr 2.0
+        >>> hooks.remove(); engine.step()
+        lr 1.0
+    """
+
+    def __init__(self, optimizer: Any, pre: Callable[..., None], post: Callable[..., None]) -> None:
+        self.optimizer = optimizer
+        step = optimizer.step
+
+        def around(*args: Any, **kwargs: Any) -> Any:
+            pre(optimizer, args, kwargs)
+            try:
+                return step(*args, **kwargs)
+            finally:  # the scheduler's learning rates come back even if the step raised
+                post(optimizer, args, kwargs)
+
+        optimizer.step = around
+
+    def remove(self) -> None:
+        """Give the optimizer its own ``step`` back (the class's shows again)."""
+        self.optimizer.__dict__.pop("step", None)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_gradacc.lr_schedule import TokenSchedule
 from tests import helpers as h
 from tests.deepspeed_run import Scenario, run
 
@@ -95,6 +96,36 @@ def test_schedules_and_a_target_batch_size_are_exact_under_zero_2(tmp_path: Path
     assert diff(target, reference(TAILS)) < 1e-6
 
 
+def test_lr_scaling_and_a_token_schedule_follow_the_window_s_k_under_every_zero_stage(tmp_path: Path) -> None:
+    """The factor goes around the engine's step: ZeRO-1/2 step torch's optimizer once per parameter group
+    inside theirs, ZeRO-0 in fp32 steps torch's itself; the scheduler's learning rate comes back after."""
+    keyed = {0: 2, 2: 3}
+    scaled = {"accumulation_steps": keyed, "schedule_unit": "steps", "lr_scaling": "linear"}
+    token_lr = {"accumulation_steps": 2, "lr_schedule": TokenSchedule(total=40, warmup=8, final=0.5)}
+    scenarios = [
+        Scenario(callback=scaled, stage=2, samples=40),
+        Scenario(callback=scaled, stage=1, samples=40),
+        Scenario(callback=scaled, stage=0, samples=40),
+        Scenario(callback=token_lr, stage=2, samples=40, epochs=1),
+    ]
+    zero2, zero1, zero0, scheduled = run(scenarios, tmp_path)
+    keyed_windows = h.keyed_windows(keyed, 10, epochs=2, unit="steps")
+    factors = [k / 2 for _, k in keyed_windows]  # linear: K over the first window's K
+    exact = reference([w for w, _ in keyed_windows], samples=40, lr_factors=factors)
+    unscaled = reference([w for w, _ in keyed_windows], samples=40)
+    for result in (zero2, zero1, zero0):
+        assert diff(result, exact) < 1e-6
+        assert result["global_step"] == result["engine_steps"] == len(keyed_windows)
+        assert result["lrs"][-1] == 0.1  # the scheduler's value, restored after each step
+    assert diff(zero2, unscaled) > 1e-3  # the factor took effect
+    windows = h.windows(10, 2)
+    schedule = TokenSchedule(total=40, warmup=8, final=0.5)
+    items_before = [8.0 * i for i in range(len(windows))]  # 2 micro-batches of 4 items per window
+    token_factors = [schedule.factor(items) for items in items_before]
+    assert diff(scheduled, reference(windows, samples=40, lr_factors=token_factors)) < 1e-6
+    assert diff(scheduled, reference(windows, samples=40)) > 1e-3
+
+
 def test_a_resume_from_a_window_end_is_exact_and_from_inside_one_steps_its_rest(tmp_path: Path) -> None:
     scenarios = [
         Scenario(callback={"accumulation_steps": 2}, stage=0, resume_after=3),  # a window's end, mid-epoch
@@ -141,7 +172,6 @@ def test_settings_deepspeed_cannot_honour_are_refused_before_training(tmp_path: 
         ({"accumulation_dtype": "float64"}, "accumulation_dtype='float64'"),
         ({"clip_value": 0.1}, "clip_value=0.1"),
         ({"overflow": "raise"}, "overflow='raise'"),
-        ({"lr_scaling": "sqrt"}, "lr_scaling or lr_schedule"),
     ]
     scenarios = [Scenario(callback={"accumulation_steps": 2, **kwargs}, epochs=1) for kwargs, _ in refused]
     scenarios.append(Scenario(callback={"accumulation_steps": 2}, stage=3, epochs=1))
@@ -153,16 +183,23 @@ def test_settings_deepspeed_cannot_honour_are_refused_before_training(tmp_path: 
     assert "stage 3 is configured" in results[-1]["error"]
 
 
-def test_two_ranks_are_exact_with_partial_windows_and_clipping(tmp_path: Path) -> None:
+STEPS_1_THEN_2 = {"accumulation_steps": {0: 1, 2: 2}, "schedule_unit": "steps"}
+
+
+def test_two_ranks_are_exact_with_partial_windows_clipping_and_lr_scaling(tmp_path: Path) -> None:
     scenarios = [
         Scenario(callback={"accumulation_steps": 2, "max_grad_norm": 0.5}, stage=2, samples=40),
         Scenario(callback={"accumulation_steps": 2}, stage=0, samples=40),
+        Scenario(callback={**STEPS_1_THEN_2, "lr_scaling": "sqrt"}, stage=2, samples=40),
     ]
-    clipped, zero0 = run(scenarios, tmp_path, world=2)
+    clipped, zero0, scaled = run(scenarios, tmp_path, world=2)
+    keyed = h.keyed_windows({0: 1, 2: 2}, 5, epochs=2, unit="steps")
     assert diff(clipped, reference(TAILS, samples=40, world=2, max_grad_norm=0.5)) < 1e-6
     assert diff(zero0, reference(TAILS, samples=40, world=2)) < 1e-6
     assert clipped["global_step"] == clipped["engine_steps"] == len(TAILS)
     assert clipped["metrics"]["grad_accum/items_last_step"] == 8  # the tail: 4 items on each rank
+    sqrt_k = [k**0.5 for _, k in keyed]  # "sqrt": the square root of K over the first window's K (1)
+    assert diff(scaled, reference([w for w, _ in keyed], samples=40, world=2, lr_factors=sqrt_k)) < 1e-6
 
 
 def test_a_window_cut_short_is_discarded_under_every_zero_stage(tmp_path: Path) -> None:
