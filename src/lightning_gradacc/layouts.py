@@ -194,31 +194,20 @@ class _DeepSpeedEngine:
 
 
 class DeepSpeed(Layout):
-    """Lightning's ``DeepSpeedStrategy``, ZeRO stages 0-2: the engine accumulates, the callback drives it.
+    """Lightning's ``DeepSpeedStrategy``, ZeRO stages 0-3: the engine accumulates, the callback drives it.
 
-    DeepSpeed keeps the window's gradients in its engine (ZeRO-1/2 in partitioned buffers, no ``.grad``),
+    DeepSpeed keeps the window's gradients in its engine (ZeRO-1/2/3 in partitioned buffers, no ``.grad``),
     reduces them at the boundary and steps, clips and skips fp16 overflows itself. The callback tells the
     engine at each micro-batch's start whether it ends the window, and weighs each loss in place so that
     Lightning's and the engine's divisions are undone and the window is normalized as one big batch
     (:mod:`~lightning_gradacc.engine_window`). ``max_grad_norm`` becomes the config's ``gradient_clipping``.
     """
 
-    name = "DeepSpeed (ZeRO 0-2)"
+    name = "DeepSpeed (ZeRO 0-3)"
     # the engine keeps, sums, clips and steps the window itself; its optimizer's step takes the LR factor
     provides: frozenset[str] = frozenset({"torch_step"})
     strategy = "deepspeed_strategy"
     engine_accumulates = True
-
-    def refuse(self, trainer: pl.Trainer) -> None:
-        """ZeRO stage 3."""
-        zero = (getattr(trainer.strategy, "config", None) or {}).get("zero_optimization") or {}
-        if zero.get("stage") == 3:
-            raise RuntimeError(
-                "`GradientAccumulationCallback` supports `DeepSpeedStrategy` with ZeRO stages 0, 1 and 2,"
-                " but stage 3 is configured: its exactness under the callback's window boundaries is not"
-                " verified yet. Use `strategy='deepspeed_stage_2'`, or FSDP"
-                " (`ModelParallelStrategy` with `fully_shard`), which shards parameters too."
-            )
 
     def prepare(
         self,
@@ -277,7 +266,11 @@ class DeepSpeed(Layout):
             settings=settings,
             world_size=trainer.world_size,
             device=trainer.strategy.root_device,
-            num_parameters=sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad),
+            num_parameters=sum(  # ZeRO-3 partitions the parameters: `ds_numel` is the whole tensor's
+                getattr(p, "ds_numel", p.numel())
+                for p in trainer.lightning_module.parameters()
+                if p.requires_grad
+            ),
         )
 
 

@@ -95,7 +95,7 @@ def test_an_unsupported_strategy_is_rejected() -> None:
     trainer = SimpleNamespace(strategy=_third_party_strategy(Strategy), callbacks=[callback])
     with pytest.raises(
         RuntimeError,
-        match=r"supports DeepSpeed \(ZeRO 0-2\), single-device, DDP, FSDP and ModelParallel \(FSDP2\)"
+        match=r"supports DeepSpeed \(ZeRO 0-3\), single-device, DDP, FSDP and ModelParallel \(FSDP2\)"
         r" strategies.*HivemindStrategy",
     ):
         callback._verify("configuration", trainer, h.RegressionModule(h.regression_data(8)))  # type: ignore[arg-type]
