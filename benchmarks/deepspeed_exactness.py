@@ -7,6 +7,8 @@ accelerator, gloo; Lightning's CUDA guard lifted by the test shims of ``tests/de
 5-batch epoch, 2 epochs, SGD. The reference is plain PyTorch taking one step per window over the window's
 rows as one batch, each epoch's short last window closed in its epoch. Printed: max |parameter - reference|,
 and the optimizer steps Lightning counted (``trainer.global_step``) against those DeepSpeed took.
+A second table: token-weighted windows (20 padded sequences of 1-9 tokens, micro-batches of 2, K=3), the
+reference the mean over every real token of a window.
 Needs DeepSpeed (``pip install -e ".[deepspeed]"`` with ``DS_BUILD_OPS=0``).
 """
 
@@ -44,6 +46,35 @@ def main() -> None:
             diff = max((state[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
             row.append(f"{diff:.1e}, {result['global_step']} / {result['engine_steps']}")
         print(f"| {stage}, {k}, {precision or '32-true'} | {len(windows)} | {row[0]} | {row[1]} |")
+    tokens()
+
+
+def tokens() -> None:
+    """Token weighting: padded sequences of 1-9 tokens, each window the mean over all its real tokens."""
+    weighted = {"accumulation_steps": 3, "scaling": "weighted", "item_count_fn": h.count_tokens}
+    stages = (0, 2, 3)
+    scenarios = []
+    for stage in stages:
+        common = {"stage": stage, "task": "tokens", "lr": 0.5}
+        scenarios += [
+            Scenario(callback=None, trainer_k=3, **common),
+            Scenario(callback={"accumulation_steps": 3}, **common),
+            Scenario(callback=weighted, **common),
+        ]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run(scenarios, Path(tmp))
+    windows = h.windows(10, 3, epochs=2)
+    reference = h.big_batch_reference(h.token_net(), h.token_data(20), 2, windows, h.token_loss, lr=0.5)
+    print()
+    print('| ZeRO stage, K=3, tokens | built-in | callback, `"mean"` | callback, `"weighted"` |')
+    print("|---|---|---|---|")
+    for index, stage in enumerate(stages):
+        row = []
+        for result in results[3 * index : 3 * index + 3]:
+            state = result["state"]
+            diff = max((state[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+            row.append(f"{diff:.1e}")
+        print(f"| {stage} | {' | '.join(row)} |")
 
 
 if __name__ == "__main__":

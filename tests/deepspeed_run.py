@@ -54,6 +54,8 @@ class Scenario:
         namespace: ``"pytorch_lightning"`` or ``"lightning.pytorch"``.
         stop_epoch_at: ``on_train_batch_start`` returns -1 at this batch of epoch 0 (the epoch ends there).
         none_at: The loader yields ``None`` instead of this batch of epoch 0 (Lightning skips every hook).
+        task: ``"regression"`` (MSE, micro-batches of 4 rows per rank) or ``"tokens"`` (next-token cross
+            entropy over padded sequences of 1-9 real tokens, micro-batches of 2 sequences per rank).
     """
 
     callback: dict[str, Any] | None = None
@@ -68,6 +70,7 @@ class Scenario:
     namespace: str = "pytorch_lightning"
     stop_epoch_at: int | None = None
     none_at: int | None = None
+    task: str = "regression"
 
 
 class _NoneAt:
@@ -96,7 +99,11 @@ def _fit(scenario: Scenario, world: int, tmp: str, device: str) -> dict[str, Any
     else:
         from lightning_gradacc.lightning import DeepSpeedCPUStrategy as strategy_class
 
-    class Module(h.REGRESSION_MODULES[scenario.namespace]):  # type: ignore[misc]
+    tokens = scenario.task == "tokens"
+    modules = h.TOKEN_MODULES if tokens else h.REGRESSION_MODULES
+    make_data = h.token_data if tokens else h.regression_data
+
+    class Module(modules[scenario.namespace]):  # type: ignore[misc]
         lrs: list[float]
 
         def configure_optimizers(self) -> Any:
@@ -140,7 +147,7 @@ def _fit(scenario: Scenario, world: int, tmp: str, device: str) -> dict[str, Any
 
     # a resume goes on where the loader stood (Lightning restarts a plain loader's epoch from its start)
     resumable = scenario.resume_after is not None
-    module = Module(h.regression_data(scenario.samples), lr=scenario.lr, resumable=resumable)
+    module = Module(make_data(scenario.samples), lr=scenario.lr, resumable=resumable)
     checkpoint = None
     caught = warnings.catch_warnings(record=True)
     seen = caught.__enter__()
@@ -153,7 +160,7 @@ def _fit(scenario: Scenario, world: int, tmp: str, device: str) -> dict[str, Any
             first.callbacks.append(save(scenario.resume_after, Path(checkpoint)))
             with contextlib.suppress(h.Preempted):
                 first.fit(module)
-            module = Module(h.regression_data(scenario.samples), lr=scenario.lr, seed=1, resumable=True)
+            module = Module(make_data(scenario.samples), lr=scenario.lr, seed=1, resumable=True)
         trainer = make_trainer()
         trainer.fit(module, ckpt_path=checkpoint)
     except Exception as error:  # a refusal: its message is the result

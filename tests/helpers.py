@@ -266,24 +266,39 @@ def token_loss(net: nn.Module, inputs: Tensor, labels: Tensor) -> Tensor:
 
 
 class _Token:
+    """Next-token cross entropy, a mean over the batch's real tokens; ``resumable`` as ``_Regression``'s."""
+
     def __init__(
-        self, data: Dataset[Any] | None = None, batch_size: int = 2, lr: float = 0.5, optimizer: str = "sgd"
+        self,
+        data: Dataset[Any] | None = None,
+        batch_size: int = 2,
+        lr: float = 0.5,
+        optimizer: str = "sgd",
+        seed: int = 0,
+        resumable: bool = False,
     ) -> None:
         super().__init__()
-        self.net = token_net()
+        self.net = token_net(seed)
         self.data = data if data is not None else token_data()
         self.batch_size = batch_size
         self.lr = lr
         self.optimizer_name = optimizer
+        self.resumable = resumable
 
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        if self.resumable:
+            self.trainer.train_dataloader.consumed += 1
         return token_loss(self.net, *batch)
+
+    def on_train_epoch_start(self) -> None:
+        if self.resumable:
+            self.trainer.train_dataloader.consumed = 0
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return make_optimizer(self.optimizer_name, self.net.parameters(), self.lr)
 
     def train_dataloader(self) -> DataLoader[Any]:
-        return ordered_loader(self, self.data, self.batch_size)
+        return ordered_loader(self, self.data, self.batch_size, resumable=self.resumable)
 
 
 class TokenModule(_Token, pl.LightningModule):

@@ -5,16 +5,20 @@ is driven from outside instead of accumulated by the core: at each micro-batch's
 whether it ends the window (its boundary: the reduction and the optimizer step), and each loss is weighed
 in place before its backward so that the window's gradient is the big batch's. The engine divides every
 loss by its ``gradient_accumulation_steps`` and Lightning by ``accumulate_grad_batches``; the weight undoes
-both and applies the scaling mode's normalization, which must be known before the window's first backward
-(hence mean and sum, not item weighting). :class:`EngineWindow` takes the core accumulator's place in the
-callback and the window plan; what the engine does not report is absent from the logged statistics
-(:data:`ABSENT`, and the gradient norm where the engine computes none), never a made-up zero.
+both and applies the scaling mode's normalization, which must be known before the window's first backward.
+Under ``scaling="weighted"`` that is the window's item total over the ranks: its batches are read ahead
+and counted when it opens (:mod:`~lightning_gradacc.parts.read_ahead`, as Hugging Face's Trainer does),
+and each loss is weighed by its own count over that total (:meth:`EngineWindow.expect`).
+:class:`EngineWindow` takes the core accumulator's place in the callback and the window plan; what the
+engine does not report is absent from the logged statistics (:data:`ABSENT`, and the gradient norm where
+the engine computes none), never a made-up zero.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
@@ -125,6 +129,10 @@ class EngineWindow:
         self._skipped_restored = 0  # skips of earlier fits (a checkpoint's or the previous fit's)
         self._ridden: dict[str, float] = {}
         self._items_known = True
+        # "weighted": the open window's counts on this rank still to come, read ahead, and its total over
+        # the ranks (None: not read ahead)
+        self._ahead: deque[float] = deque()
+        self._window_items: float | None = None
 
     @property
     def accumulation_steps(self) -> int:
@@ -155,6 +163,38 @@ class EngineWindow:
         """Micro-batches the open window still takes from its start (those lost to a resume excluded)."""
         return self.window_length - self.window.lost
 
+    @property
+    def remaining(self) -> int:
+        """Micro-batches the open window still takes, the coming one included."""
+        return self._length - self.window.micro_batches
+
+    @property
+    def expecting(self) -> bool:
+        """Whether the open window's counts were read ahead (:meth:`expect`)."""
+        return self._window_items is not None
+
+    def expect(self, counts: Sequence[float], total: float) -> None:
+        """``scaling="weighted"``: the open window's item counts on this rank, read ahead, and their total.
+
+        Args:
+            counts: The counts of the window's coming micro-batches on this rank, in order (the next one's
+                first), each a number >= 0.
+            total: The window's count summed over the ranks, which every loss is weighed against.
+
+        Example:
+            >>> class Engine:
+            ...     gradient_accumulation_steps = 1
+            ...     def skipped_steps(self): return 0
+            >>> weighted = AccumulationSettings(scaling="weighted")
+            >>> window = EngineWindow(Engine(), settings=weighted, world_size=1)
+            >>> window.window_length = 2
+            >>> window.expect([3.0, 1.0], 4.0)
+            >>> float(window.begin_micro_batch(torch.tensor(2.0), 3))  # 2 x 3 / 4
+            1.5
+        """
+        self._ahead = deque(counts)
+        self._window_items = float(total)
+
     def begin_micro_batch(
         self,
         loss: Tensor,
@@ -167,19 +207,41 @@ class EngineWindow:
         amp_scaled: bool = True,
     ) -> Tensor:
         """Weigh ``loss`` (in place or not) so that the engine's sum is the window's big-batch gradient."""
+        weighted = self.settings.mode.weighted
         factor = self.settings.mode.factor(
             max(self._length, 1),
             dropped=0.0,
-            weights=0.0,
+            weights=self._window_items if weighted and self._window_items is not None else 0.0,
             loss_scale=self.loss_scale / self.engine.gradient_accumulation_steps,
             world_size=self.world_size,
         )
+        if weighted:  # the count it was read ahead with: its share of the window's total
+            factor = factor * self._read_ahead_count(items, label)
         window = self.window
         if items is None or error is not None:
             self._items_known = False
         else:
             window.items += float(items.sum()) if isinstance(items, Tensor) else float(items)
         return loss.mul_(factor) if in_place else loss * factor
+
+    def _read_ahead_count(self, items: Any, label: str | None) -> float:
+        """This micro-batch's count as read ahead, checked against what it counts now (before backward)."""
+        if not self._ahead or self._window_items is None:
+            raise RuntimeError(
+                "A micro-batch began under `scaling='weighted'` beyond the counts its DeepSpeed window was"
+                " read ahead with. This is a bug of `GradientAccumulationCallback`; please report it."
+            )
+        expected = self._ahead.popleft()
+        seen = float(items) if isinstance(items, (int, float, Tensor)) else math.nan
+        if seen != expected:
+            raise RuntimeError(
+                f"{label or 'The item count'} is {seen} at its own micro-batch but was {expected} when its"
+                " window's batches were read ahead from the loader: under DeepSpeed a weighted window is"
+                " weighed by the counts read ahead (before Lightning moves a batch to the device and runs"
+                " its batch hooks), so `item_count_fn` must count the loader's batch and the batch the step"
+                " sees the same."
+            )
+        return seen
 
     def begin_pieces(
         self,
@@ -219,7 +281,9 @@ class EngineWindow:
         """
         window, counts = self.window, self._counts
         items = window.items if self._items_known else math.nan
-        if self.world_size > 1 and torch.distributed.is_initialized():
+        if self._window_items is not None:  # read ahead, summed over the ranks already
+            items = self._window_items
+        elif self.world_size > 1 and torch.distributed.is_initialized():
             total = torch.tensor([items], dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(total)
             items = float(total[0])
@@ -229,18 +293,22 @@ class EngineWindow:
         counts["items_seen"] += items
         if window.micro_batches + window.lost >= self._steps:
             counts["items_last_full_step"] = items
-        self.window = _Open()
+        self._open(_Open())
         return True
+
+    def _open(self, window: _Open) -> None:
+        """A new window: nothing read ahead for it yet."""
+        self.window, self._ahead, self._window_items = window, deque(), None
 
     def reset(self, *, set_grads_to_none: bool = True) -> None:
         """Abandon the open window: the engine forgets its gradients (an empty one, resumed or not, stays)."""
         if not self.window.empty:
             self.engine.drop_gradients()
-            self.window = _Open()
+        self._open(_Open(lost=self.window.lost) if self.window.empty else _Open())
 
     def lost(self, micro_batches: int) -> None:
         """A resume inside a window: its first ``micro_batches`` are in no checkpoint of the engine."""
-        self.window = _Open(lost=micro_batches)
+        self._open(_Open(lost=micro_batches))
 
     def after_step(self) -> None:
         """The engine stepped the window just closed: read its gradient norm (once per step, a host read)."""

@@ -204,8 +204,9 @@ class DeepSpeed(Layout):
     """
 
     name = "DeepSpeed (ZeRO 0-3)"
-    # the engine keeps, sums, clips and steps the window itself; its optimizer's step takes the LR factor
-    provides: frozenset[str] = frozenset({"torch_step"})
+    # the engine keeps, sums, clips and steps the window itself; its optimizer's step takes the LR factor;
+    # a weighted window is read ahead and counted before its first backward (`parts.read_ahead`)
+    provides: frozenset[str] = frozenset({"torch_step", "window_item_total"})
     strategy = "deepspeed_strategy"
     engine_accumulates = True
 

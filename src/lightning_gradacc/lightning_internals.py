@@ -8,7 +8,9 @@ imports Lightning: the functions work on the objects of either namespace.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,6 +68,49 @@ def backward_skipped(trainer: pl.Trainer) -> bool:
     (``callbacks/stochastic_weight_avg.py``).
     """
     return bool(trainer.fit_loop._skip_backward)
+
+
+class _HeldBatches(Iterator[Any]):
+    """Lightning's batch iterator with batches read ahead held, in order, for Lightning to take next."""
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self.source, self.held, self.ended = source, collections.deque[Any](), False
+
+    def __next__(self) -> Any:
+        if self.held:
+            return self.held.popleft()
+        if self.ended:  # an exhausted iterator is not asked again
+            raise StopIteration
+        return next(self.source)
+
+    def ahead(self, count: int) -> list[Any]:
+        """The next ``count`` items (fewer where the iterator ends), left for :meth:`__next__`."""
+        while len(self.held) < count and not self.ended:
+            try:
+                self.held.append(next(self.source))
+            except StopIteration:
+                self.ended = True
+        return list(itertools.islice(self.held, count))
+
+
+def read_ahead(trainer: pl.Trainer, count: int) -> list[Any]:
+    """The next ``count`` training batches, as the loader yields them, without taking them from Lightning.
+
+    ``_FitLoop._data_fetcher`` (``loops/fit_loop.py``): a ``_DataFetcher`` (``loops/fetchers.py``) whose
+    ``iterator`` (the ``CombinedLoader``'s, made anew by ``iter(fetcher)`` each epoch) yields
+    ``(batch, batch_idx, dataloader_idx)`` and whose ``batches`` (``_PrefetchDataFetcher``) holds those
+    fetched already. The iterator is wrapped so that the batches read here are the ones Lightning takes
+    next, in order; the fetcher's ``fetched`` and ``done`` count only what Lightning took. Fewer than
+    ``count`` where the epoch ends first.
+    """
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None or fetcher.iterator is None or count <= 0:
+        return []
+    if not isinstance(fetcher.iterator, _HeldBatches):
+        fetcher.iterator = _HeldBatches(fetcher.iterator)
+    prefetched = list(getattr(fetcher, "batches", ()))[:count]
+    items = prefetched + fetcher.iterator.ahead(count - len(prefetched))
+    return [item[0] if isinstance(item, tuple) and len(item) == 3 else item for item in items]
 
 
 def load_train_data(trainer: pl.Trainer) -> None:

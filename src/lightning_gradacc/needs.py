@@ -17,7 +17,8 @@ from typing import Any
 PROVISIONS = {
     "unsharded_grad": "each micro-batch's gradient adds up in the rank's own, whole `.grad`",
     "micro_batch_gradient": "each micro-batch's gradient can be read alone, between two backwards",
-    "rescale_after_backward": "the window's gradient is where the callback can rescale it before the step",
+    "window_item_total": "each micro-batch's gradient can be weighed by the window's item total over the"
+    " ranks: rescaled after its backward, or its window read ahead and counted before it",
     "callback_buffers": "the window can be summed in buffers of the callback's",
     "any_clipping": "the final gradient can be clipped by any norm, by value or per parameter",
     "callback_overflow": "the callback decides what a non-finite gradient does",
@@ -61,9 +62,9 @@ NEEDS = (
     Need(
         lambda c: "scaling='weighted'",
         lambda c: c.settings.mode.weighted,
-        "rescale_after_backward",
-        "each micro-batch's weight needs the window's item total over the ranks before its backward, and"
-        " the engine keeps no `.grad` to rescale afterwards. Use 'mean' or 'sum'.",
+        "window_item_total",
+        "each micro-batch's weight needs the window's item total over the ranks, which this strategy can"
+        " neither rescale by after the backward nor count ahead. Use 'mean' or 'sum'.",
         '`scaling="weighted"`',
     ),
     Need(

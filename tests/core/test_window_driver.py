@@ -75,3 +75,17 @@ def test_instances_of_both_are_window_drivers_and_show_what_they_declare_absent(
     )
     stats = engine.stats.as_dict()
     assert not (engine.absent - set(stats) - {"last_grad_norm"})  # absent names are statistics
+
+
+def test_an_engine_s_weighted_window_weighs_each_loss_by_its_count_read_ahead_and_checks_it() -> None:
+    window = EngineWindow(_Engine(), settings=AccumulationSettings(scaling="weighted"), world_size=2)
+    window.window_length = 2
+    window.batch_start()
+    window.expect([3.0, 1.0], 10.0)  # this rank's counts; 10 over both ranks
+    # x 3 items x 2 ranks (DeepSpeed averages them) / 10 items
+    assert float(window.begin_micro_batch(torch.tensor(1.0), torch.tensor(3))) == pytest.approx(0.6)
+    window.end_micro_batch()
+    with pytest.raises(RuntimeError, match=r"is 2.0 at its own micro-batch but was 1.0 when its window"):
+        window.begin_micro_batch(torch.tensor(1.0), 2, label="The item count of batch 1")
+    window.reset()
+    assert not window.expecting  # a window abandoned: the next one is read ahead anew

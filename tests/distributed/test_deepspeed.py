@@ -166,7 +166,6 @@ def test_bf16_mixed_is_within_bf16_rounding_where_the_built_in_is_off(tmp_path: 
 
 def test_settings_deepspeed_cannot_honour_are_refused_before_training(tmp_path: Path) -> None:
     refused = [
-        ({"scaling": "weighted"}, "scaling='weighted'"),
         ({"accumulation_steps": "auto"}, "noise_scale=True or accumulation_steps='auto'"),
         ({"clip_mode": "micro_batch", "max_grad_norm": 1.0, "accumulation_dtype": "float32"}, "clip_mode="),
         ({"accumulation_dtype": "float64"}, "accumulation_dtype='float64'"),
@@ -274,6 +273,70 @@ def test_zero_3_on_two_ranks_is_exact_with_partial_windows_and_clipping(tmp_path
     assert clipped["global_step"] == clipped["engine_steps"] == len(TAILS)
     windows = [w for w, _ in h.keyed_windows({0: 1, 2: 2}, 5, epochs=2, unit="steps")]
     assert diff(keyed_run, reference(windows, samples=40, world=2)) < 1e-6
+
+
+# 20 sequences of 1-9 real tokens: 10 micro-batches of 2 per rank and epoch; K=3: windows of 3, 3, 3 and 1
+TOKEN_WINDOWS = h.windows(10, 3, epochs=2)
+WEIGHTED = {"accumulation_steps": 3, "scaling": "weighted", "item_count_fn": h.count_tokens}
+
+
+def token_reference(windows: list[list[int]], *, samples: int = 20, world: int = 1, **kwargs: Any) -> Any:
+    """The big batch: the mean over every real token of the window's sequences on all ranks."""
+    data = h.token_data(samples)
+    return h.big_batch_reference(h.token_net(), data, 2 * world, windows, h.token_loss, lr=0.5, **kwargs)
+
+
+def rank_total_reference(windows: list[list[int]], *, samples: int, world: int) -> torch.nn.Module:
+    """The weighting without the rank total: each rank's token mean over its own rows, averaged over ranks."""
+    data, net = h.token_data(samples), h.token_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    for window in windows:
+        optimizer.zero_grad()
+        for rank in range(world):  # `ordered_loader`: rank r's micro-batch b is rows r + R * (2b, 2b + 1)
+            rows = torch.tensor([rank + world * (2 * b + i) for b in window for i in (0, 1)])
+            (h.token_loss(net, *(t[rows] for t in data.tensors)) / world).backward()
+        optimizer.step()
+    return net
+
+
+def test_token_weighting_reads_each_window_ahead_on_every_zero_stage(tmp_path: Path) -> None:
+    """Each window's batches are read ahead and counted before its first backward (the engine keeps no
+    ``.grad`` to rescale): with a partial last window, clipping, and a resume inside a window."""
+    tokens = {"task": "tokens", "lr": 0.5}
+    scenarios = [
+        Scenario(callback=None, trainer_k=3, stage=2, **tokens),  # the built-in: the negative control
+        Scenario(callback={"accumulation_steps": 3}, stage=2, **tokens),  # "mean": the weighting's control
+        *(Scenario(callback=WEIGHTED, stage=stage, **tokens) for stage in (0, 1, 2, 3)),
+        Scenario(callback={**WEIGHTED, "max_grad_norm": 0.5}, stage=3, **tokens),
+        Scenario(callback=WEIGHTED, stage=2, resume_after=4, **tokens),  # inside the window [3, 4, 5]
+    ]
+    built_in, mean, *stages, clipped, inside = run(scenarios, tmp_path)
+    exact = token_reference(TOKEN_WINDOWS)
+    assert diff(built_in, exact) > 0.05
+    assert diff(mean, exact) > 1e-2
+    for result in stages:
+        assert diff(result, exact) < 1e-6
+        assert result["global_step"] == result["engine_steps"] == len(TOKEN_WINDOWS)
+        # the tail window [9]: its real tokens, from the total read ahead
+        labels = h.token_data(20).tensors[1][18:20]
+        assert result["metrics"]["grad_accum/items_last_step"] == int((labels != h.IGNORE_INDEX).sum())
+    assert diff(clipped, token_reference(TOKEN_WINDOWS, max_grad_norm=0.5)) < 1e-6
+    # DeepSpeed saves no accumulated gradient: 3 and 4 are lost, 5 steps alone, weighted over its own tokens
+    resumed = [[0, 1, 2], [5], *TOKEN_WINDOWS[2:]]
+    assert diff(inside, token_reference(resumed)) < 1e-6
+    assert inside["global_step"] == inside["engine_steps"] == len(TOKEN_WINDOWS)
+
+
+def test_token_weighting_on_two_ranks_weighs_by_the_total_over_the_ranks(tmp_path: Path) -> None:
+    tokens = {"task": "tokens", "lr": 0.5, "samples": 40}
+    scenarios = [Scenario(callback=WEIGHTED, stage=stage, **tokens) for stage in (0, 2, 3)]
+    results = run(scenarios, tmp_path, world=2)
+    exact = token_reference(TOKEN_WINDOWS, samples=40, world=2)
+    local = rank_total_reference(TOKEN_WINDOWS, samples=40, world=2)
+    for result in results:
+        assert diff(result, exact) < 1e-6
+        assert diff(result, local) > 1e-3  # a count over one rank only is off: the oracle tells them apart
+        assert result["global_step"] == result["engine_steps"] == len(TOKEN_WINDOWS)
 
 
 @h.cuda_only

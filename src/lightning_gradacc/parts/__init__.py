@@ -2,7 +2,8 @@
 
 Every fit has the window (:mod:`.window`: the plan's K, the driver's gradients) and the reporting
 (:mod:`.reporting`); its layout adds how a window ends (:mod:`.step` where the core keeps it, :mod:`.engine`
-where an engine does), and its settings the reduction (:mod:`.reduction`) and the pieces (:mod:`.pieces`).
+where an engine does, with :mod:`.read_ahead` to weigh its windows by items), and its settings the reduction
+(:mod:`.reduction`) and the pieces (:mod:`.pieces`).
 :func:`assemble` puts them in their order.
 """
 
@@ -15,6 +16,7 @@ from ..piece_runner import PieceRunner
 from .base import HOOKS, Batch, Fit, FitPart, Parts, Share
 from .engine import EngineSteps
 from .pieces import PiecesPart
+from .read_ahead import ItemsReadAhead
 from .reduction import ReductionPart
 from .reporting import ReportingPart
 from .step import CoreStep
@@ -45,6 +47,8 @@ def assemble(
         else CoreStep(fit, window=window, callback=callback, log_stats=log_stats)
     )
     parts: list[FitPart] = [window, window_end]
+    if fit.layout.engine_accumulates and window.settings.mode.weighted:  # the engine keeps no `.grad`
+        parts.insert(1, ItemsReadAhead(fit, item_count_fn=item_count_fn))
     if ReductionPart.acts(fit.sync):
         parts.append(ReductionPart(fit))
     if runner is not None:
