@@ -16,6 +16,8 @@ from typing import Any
 # What a strategy's layout may provide for the gradients, each with what it means.
 PROVISIONS = {
     "unsharded_grad": "each micro-batch's gradient adds up in the rank's own, whole `.grad`",
+    "piece_backwards": "a batch can run as pieces, each with its own backward, whose gradients add up where"
+    " the window's are kept",
     "micro_batch_gradient": "each micro-batch's gradient can be read alone, between two backwards",
     "window_item_total": "each micro-batch's gradient can be weighed by the window's item total over the"
     " ranks: rescaled after its backward, or its window read ahead and counted before it",
@@ -54,10 +56,20 @@ NEEDS = (
     Need(
         lambda c: f"piece_size={c.piece_size!r}",
         lambda c: c.piece_size is not None,
-        "unsharded_grad",
-        "it runs each batch in pieces whose gradients add up in `.grad`, which this strategy does not keep"
-        " (it holds them in its own shards or engine): use one device or DDP, or remove `piece_size`.",
+        "piece_backwards",
+        "it runs each batch as pieces, each with its own backward, and the engine counts every backward as"
+        " a micro-batch of its window: use one device, DDP or FSDP, or remove `piece_size`.",
         "`piece_size`",
+    ),
+    Need(
+        lambda c: f"piece_size={c.piece_size!r}",
+        lambda c: c.piece_size == "auto",
+        "unsharded_grad",
+        "FSDP all-gathers and reduce-scatters layer by layer inside each forward and backward, so a rank"
+        " that runs out of memory in one stops issuing them while the others go on: the ranks then pair"
+        " collectives of different layers (exchanging wrong data) and hang, and no rank can recover alone"
+        " (measured on 2 ranks, torch 2.13). Use an int `piece_size`.",
+        '`piece_size="auto"`',
     ),
     Need(
         lambda c: "scaling='weighted'",

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
@@ -42,6 +42,9 @@ from .core.torch_internals import (
     skip_ddp_buffer_sync_at_next_forward,
 )
 from .lightning_internals import as_training_step, grad_scaler
+
+if TYPE_CHECKING:
+    from .reduction import WindowReduction
 
 PieceSize = int | Literal["auto"] | None
 
@@ -138,6 +141,7 @@ class PieceRunner:
         self._lightning_k: Callable[[], int] = _one
         self._mark: Callable[[bool], None] = _ignore_mark
         self._counts_batch_itself = False
+        self._sync: WindowReduction | None = None  # the fit's reduction
 
     @property
     def auto(self) -> bool:
@@ -156,19 +160,22 @@ class PieceRunner:
         warn: Callable[[str], Any],
         lightning_k: Callable[[], int],
         mark: Callable[[bool], None],
+        sync: WindowReduction | None = None,
     ) -> None:
         """Stand in for the strategy's ``training_step`` and the plugin's ``backward`` for this fit.
 
         ``count``: the item counter (else a piece's length); ``extract``: Lightning's batch-size inference,
         for the length of a ``split_fn``'s piece the default walk cannot read; ``warn``: rank zero's;
         ``lightning_k``: what Lightning divides each loss by (the window plan's); ``mark(hold_in_grad)``: the
-        running batch goes in pieces (its micro-batch must begin through ``begin_pieces``).
+        running batch goes in pieces (its micro-batch must begin through ``begin_pieces``); ``sync``: the
+        fit's reduction (FSDP's, deferred to the window's last backward, is held back in the other pieces).
         """
         self.uninstall()
         strategy, plugin = trainer.strategy, trainer.strategy.precision_plugin
         self._step, self._backward = strategy.training_step, plugin.backward
         strategy.training_step, plugin.backward = self._training_step, self._plugin_backward
         self._installed = (strategy, plugin)
+        self._sync = sync
         self._scaler = grad_scaler(trainer)
         self._trainer = trainer
         self._accumulator = accumulator
@@ -188,7 +195,7 @@ class PieceRunner:
     def uninstall(self) -> None:
         """Give the strategy and the plugin their own methods back (end of the fit, or an error)."""
         installed, self._installed = self._installed, None
-        self._run, self._handle, self._accumulator, self._trainer = None, None, None, None
+        self._run, self._handle, self._accumulator, self._trainer, self._sync = None, None, None, None, None
         # what holds the fit goes: the runner is pickled with the callback (`ddp_spawn`) after a fit
         self._warn, self._lightning_k, self._mark = _ignore, _one, _ignore_mark
         if installed is not None:
@@ -315,7 +322,10 @@ class PieceRunner:
                         loss = self._piece_loss(self._step(piece, *run.rest, **run.kwargs), piece, run)
                 assert loss is not None
                 stage, synced = "backward", last_piece and self._syncs()
-                self._backward(self._weighed(loss, piece, run), model, optimizer, *args, **kwargs)
+                # FSDP decides in the backward: a deferred reduction waits for the batch's last piece
+                held = self._sync.held_back() if self._sync is not None and not last_piece else nullcontext()
+                with held:
+                    self._backward(self._weighed(loss, piece, run), model, optimizer, *args, **kwargs)
                 del loss
             except Exception as error:
                 if not (self.auto and is_out_of_memory(error)):
@@ -497,7 +507,7 @@ class PieceRunner:
     @contextmanager
     def _no_sync(self) -> Iterator[None]:
         block = getattr(self._installed[0], "block_backward_sync", None)  # type: ignore[index]
-        with block() if block is not None else nullcontext():
+        with block() if block is not None else nullcontext():  # DDP decides in the forward
             yield
 
     def _syncs(self) -> bool:

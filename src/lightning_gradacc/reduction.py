@@ -28,6 +28,7 @@ would be left out of the synchronized backward's all-reduce (its flushed sum not
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -120,6 +121,7 @@ class ShardedSync:
             self._fsdp2 = [m for m in self._fsdp2 if is_replicated(m)]
         self.defers = reduction != "every_micro_batch" and bool(self._fsdp2 or self._fsdp1)
         self._held: list[contextlib.AbstractContextManager[Any]] = []  # FSDP1 `no_sync()` entered
+        self._reduces = True  # whether the running backward reduces (the window's switch)
 
     @property
     def fsdp1(self) -> bool:
@@ -131,11 +133,32 @@ class ShardedSync:
         if not self.defers:
             return
         self._set_fsdp2(last)
+        self._reduces = last
         if not last:
             for root in self._fsdp1:
                 context = root.no_sync()
                 context.__enter__()
                 self._held.append(context)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """A backward that must not reduce where the mode defers (a batch's pieces but its last).
+
+        Nested in the window's own switch: FSDP2's sync off for it and back after; FSDP1's ``no_sync()``.
+        """
+        if not self.defers:
+            yield
+            return
+        self._set_fsdp2(False)
+        contexts = [root.no_sync() for root in self._fsdp1]
+        for context in contexts:
+            context.__enter__()
+        try:
+            yield
+        finally:
+            for context in reversed(contexts):
+                context.__exit__(None, None, None)
+            self._set_fsdp2(self._reduces)
 
     def _set_fsdp2(self, reduce: bool) -> None:
         """Switch what the mode defers on every FSDP2 module: the whole sync, or the all-reduce only."""
@@ -230,6 +253,14 @@ class WindowReduction:
     def after_backward(self) -> None:
         """The backward ended (FSDP1's ``no_sync()`` is left: only the backward runs inside it)."""
         self._fsdp.after_backward()
+
+    def held_back(self) -> contextlib.AbstractContextManager[None]:
+        """Around a piece's backward that must not reduce (not the batch's last) where FSDP defers.
+
+        Where the reduction waits for the window's last backward; nothing otherwise (FSDP then reduces each
+        piece, which keeps its gradients sharded).
+        """
+        return self._fsdp.held()
 
     def drop_unsynced(self) -> None:
         """An abandoned window: forget what FSDP holds unsynced (else the next synced backward adds it in)."""

@@ -415,23 +415,34 @@ def test_a_hugging_face_batch_encoding_keeps_its_class_in_pieces() -> None:
     assert [p["input_ids"].shape[0] for p in pieces] == [2, 2, 1]
 
 
-def test_pieces_under_fsdp_or_deepspeed_are_refused_before_training() -> None:
+def test_auto_pieces_under_fsdp_and_any_size_under_deepspeed_are_refused_before_training() -> None:
+    """An int size runs under FSDP1/FSDP2 (exact: ``tests/distributed/test_model_parallel.py``); "auto" is
+    refused there (a rank out of memory stops issuing FSDP's collectives), DeepSpeed refuses any size."""
     from types import SimpleNamespace
 
     from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
-    callback = GradientAccumulationCallback(2, piece_size=2)
     module = h.RegressionModule(h.regression_data(8))
-    strategies: list[tuple[Any, str]] = [(FSDPStrategy(), "FSDP")]
-    if importlib.util.find_spec("deepspeed") is not None:  # Lightning's strategy needs it installed
-        strategies.append((DeepSpeedStrategy(), "DeepSpeed"))
     parallel = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
-    strategies.append((parallel, r"ModelParallel \(FSDP2\)"))
-    for strategy, name in strategies:
+    cases: list[tuple[Any, str, Any, str]] = [
+        (FSDPStrategy(), "FSDP", "auto", "FSDP all-gathers and reduce-scatters layer by layer"),
+        (parallel, r"ModelParallel \(FSDP2\)", "auto", "FSDP all-gathers and reduce-scatters"),
+    ]
+    if importlib.util.find_spec("deepspeed") is not None:  # Lightning's strategy needs it installed
+        cases.append(
+            (DeepSpeedStrategy(), "DeepSpeed", 2, "it runs each batch as pieces, each with its own backward")
+        )
+    for strategy, name, size, why in cases:
+        callback = GradientAccumulationCallback(2, piece_size=size)
         trainer = SimpleNamespace(strategy=strategy, callbacks=[callback], world_size=1)
-        refused = rf"\(piece_size=2\)` cannot take effect under {name}.*: it runs each batch in pieces"
+        refused = rf"\(piece_size={size!r}\)` cannot take effect under {name}.*: {why}"
         with pytest.raises(RuntimeError, match=refused):
             callback._verify("configuration", trainer, module)
+    for strategy in (FSDPStrategy(), parallel):  # an int size is not refused
+        callback = GradientAccumulationCallback(2, piece_size=2)
+        callback._verify(
+            "configuration", SimpleNamespace(strategy=strategy, callbacks=[callback], world_size=1), module
+        )
 
 
 def test_an_int_size_is_this_run_s_setting_on_resume_and_unsplit_batches_log_their_size(

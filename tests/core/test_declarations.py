@@ -170,6 +170,7 @@ def test_every_unmet_need_is_refused_naming_the_setting_and_the_strategy() -> No
 
     configured = [  # one callback per need that uses it
         GradientAccumulationCallback(2, piece_size=2),
+        GradientAccumulationCallback(2, piece_size="auto"),
         GradientAccumulationCallback(2, scaling="weighted"),
         GradientAccumulationCallback(2, noise_scale=True),
         GradientAccumulationCallback(

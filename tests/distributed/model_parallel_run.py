@@ -52,6 +52,15 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "step_schedule": {"accumulation_steps": {0: 2, 1: 4}, "schedule_unit": "steps", "max_grad_norm": 0.05},
     # a fused Adam (DTensor has no fused SGD): the verdict and multiplier reach its step on the device
     "fused_nan_clip": {"max_grad_norm": 0.05},
+    # every micro-batch as pieces of one sample, each with its own backward: weighted by unequal counts,
+    # and FSDP's reduction deferred to the window's last piece
+    "weighted_pieces": {
+        "scaling": "weighted",
+        "item_count_fn": lambda batch: sample_weights(batch[0]).sum(),
+        "piece_size": 1,
+        "max_grad_norm": 0.05,
+    },
+    "window_end_pieces": {"sharded_reduction": "window_end", "piece_size": 1},
 }
 NAN_BATCH = {
     "nan_on_one_rank": 1,
@@ -73,6 +82,7 @@ FSDP2_SCENARIOS: dict[str, dict[str, Any]] = {
 HSDP_SCENARIOS: dict[str, dict[str, Any]] = {
     "hsdp": {"max_grad_norm": 0.05},
     "hsdp_replicas_at_window_end": {"sharded_reduction": "replicas_at_window_end", "max_grad_norm": 0.05},
+    "hsdp_pieces": {"piece_size": 1, "max_grad_norm": 0.05},
 }
 
 
@@ -289,7 +299,7 @@ def main(out: Path) -> None:
         callback = GradientAccumulationCallback(options.pop("accumulation_steps", K), **options)
         module = ShardedModule(
             NAN_BATCH.get(name),
-            weighted=name == "weighted",
+            weighted=name.startswith("weighted"),
             hsdp=name in HSDP_SCENARIOS,
             fused=name.startswith("fused"),
         )

@@ -56,7 +56,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
 def _windows(out: Path, name: str, drop: int | None = None) -> list[list[int]]:
     """The samples of each window, both ranks together (windows of K micro-batches, restarting each epoch);
     without the micro-batches of index ``drop`` in their epoch."""
-    per_rank = [torch.load(out / f"{name}-seen-{rank}.pt") for rank in range(2)]
+    # the samples of each training step, as micro-batches of 2 (pieces record their samples apart)
+    steps = [torch.load(out / f"{name}-seen-{rank}.pt") for rank in range(2)]
+    flat = [[i for step in seen for i in step] for seen in steps]
+    per_rank = [[rows[j : j + 2] for j in range(0, len(rows), 2)] for rows in flat]
     per_epoch = len(per_rank[0]) // 2
     windows: list[list[int]] = []
     for epoch in range(2):
@@ -95,7 +98,18 @@ def _reference(
 
 
 @pytest.mark.parametrize(
-    "name", ["mean", "clip", "clip_parameter", "weighted", "buffers", "window_end", "window_end_clip"]
+    "name",
+    [
+        "mean",
+        "clip",
+        "clip_parameter",
+        "weighted",
+        "buffers",
+        "window_end",
+        "window_end_clip",
+        "weighted_pieces",
+        "window_end_pieces",
+    ],
 )
 def test_sharded_windows_equal_the_big_batch(trained: Path, name: str) -> None:
     full, counts, global_step, _ = torch.load(trained / f"{name}.pt")
@@ -176,6 +190,9 @@ def test_window_end_reduces_once_per_window(trained: Path) -> None:
     once = torch.load(trained / "window_end.pt")[3][0]
     assert every > 0 and once > 0
     assert every == 3 * once  # 12 backwards against 4
+    # pieces of one sample: 24 backwards, reduced in each (the default) or in the window's last piece only
+    assert torch.load(trained / "weighted_pieces.pt")[3][0] == 2 * every
+    assert torch.load(trained / "window_end_pieces.pt")[3][0] == once
 
 
 @pytest.mark.parametrize("name", list(run.HSDP_SCENARIOS))

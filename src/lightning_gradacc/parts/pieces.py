@@ -55,6 +55,7 @@ class PiecesPart(FitPart):
             warn=fit.warn,
             lightning_k=self.lightning_k,
             mark=self._mark,
+            sync=fit.sync,
         )
 
     def _mark(self, hold_in_grad: bool) -> None:
