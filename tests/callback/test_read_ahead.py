@@ -55,3 +55,59 @@ class Unsized:
 
     def __iter__(self) -> Any:
         return iter(self.loader)
+
+
+def _fit_reading(ahead: list[Any], loader: Any = None) -> tuple[Any, list[str]]:
+    """A fit whose engine window opens a window of 3 with ``ahead`` read ahead (the loader's batches)."""
+    from types import SimpleNamespace
+
+    from lightning_gradacc.core.settings import AccumulationSettings
+    from lightning_gradacc.engine_window import EngineWindow
+    from lightning_gradacc.parts.base import Batch
+    from tests.core.test_window_driver import _Engine
+
+    warned: list[str] = []
+    driver = EngineWindow(_Engine(), settings=AccumulationSettings(scaling="weighted"), world_size=1)
+    driver.window_length = 3
+    trainer = SimpleNamespace(world_size=1, train_dataloader=loader, batches=ahead)
+    fit = SimpleNamespace(
+        driver=driver,
+        trainer=trainer,
+        batch=Batch(items=2, label="the item count of batch 0"),
+        api=SimpleNamespace(extract_batch_size=len),
+        warn=warned.append,
+        once=set(),
+    )
+    return fit, warned
+
+
+def test_a_weighted_engine_window_is_counted_ahead_none_batches_as_nothing(monkeypatch: Any) -> None:
+    from lightning_gradacc.parts.read_ahead import ItemsReadAhead
+
+    monkeypatch.setattr(internals, "read_ahead", lambda trainer, count: trainer.batches[:count])
+    counts = lambda batch: batch["n"]  # noqa: E731
+    fit, warned = _fit_reading([{"n": torch.tensor(5)}, None])
+    ItemsReadAhead(fit, item_count_fn=counts).batch_start(None, 0)
+    assert fit.driver.expecting and list(fit.driver._ahead) == [2.0, 5.0, 0.0]
+    assert float(fit.driver.begin_micro_batch(torch.tensor(7.0), 2)) == pytest.approx(7.0 * 2 / 7)
+    # a bad count ahead raises before any backward, naming it; a window of no items warns once
+    fit, _ = _fit_reading([{"n": -1.0}, {"n": 1}])
+    with pytest.raises(RuntimeError, match="the item count of batch 1"):
+        ItemsReadAhead(fit, item_count_fn=counts).batch_start(None, 0)
+    fit, warned = _fit_reading([{"n": 0}, {"n": 0}])
+    fit.batch.items = 0
+    ItemsReadAhead(fit, item_count_fn=counts).batch_start(None, 0)
+    assert len(warned) == 1 and "holds no items on any rank" in warned[0]
+
+
+def test_a_save_with_batches_held_ahead_warns_where_the_loader_saves_its_position(monkeypatch: Any) -> None:
+    from lightning_gradacc.parts.read_ahead import ItemsReadAhead
+
+    monkeypatch.setattr(internals, "read_ahead", lambda trainer, count: trainer.batches[:count])
+    stateful = type("Stateful", (), {"state_dict": lambda self: {}})()
+    for loader, warns in ((stateful, True), (object(), False)):
+        fit, warned = _fit_reading([{"n": 1}, {"n": 1}], loader)
+        part = ItemsReadAhead(fit, item_count_fn=lambda batch: batch["n"])
+        part.batch_start(None, 0)
+        assert part.state_dict() == {}
+        assert bool(warned) is warns and (not warns or "read ahead" in warned[0])
