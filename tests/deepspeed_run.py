@@ -54,8 +54,9 @@ class Scenario:
         namespace: ``"pytorch_lightning"`` or ``"lightning.pytorch"``.
         stop_epoch_at: ``on_train_batch_start`` returns -1 at this batch of epoch 0 (the epoch ends there).
         none_at: The loader yields ``None`` instead of this batch of epoch 0 (Lightning skips every hook).
-        task: ``"regression"`` (MSE, micro-batches of 4 rows per rank) or ``"tokens"`` (next-token cross
-            entropy over padded sequences of 1-9 real tokens, micro-batches of 2 sequences per rank).
+        task: ``"regression"`` (MSE, micro-batches of 4 rows per rank), ``"tokens"`` (next-token cross
+            entropy over padded sequences of 1-9 real tokens, micro-batches of 2 sequences per rank) or
+            ``"gpt2"`` (a random-config Hugging Face GPT-2 on sequences of 2-12 tokens, 1 process).
     """
 
     callback: dict[str, Any] | None = None
@@ -88,6 +89,28 @@ class _NoneAt:
             yield None if epoch == 0 and i == self.index else batch
 
 
+def _causal_lm_module(api: Any) -> Any:
+    """A random-config GPT-2 on variable-length sequences (``tests/callback/test_hf_causal_lm.py``'s)."""
+    from torch.utils.data import DataLoader
+
+    from tests.callback import test_hf_causal_lm as lm
+
+    class CausalLM(api.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(
+            self, data: Any = None, lr: float = lm.LR, resumable: bool = False, seed: int = 0
+        ) -> None:
+            super().__init__()
+            self.net, self.lr = lm.tiny_gpt2(), lr
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return lm.hf_loss(self.net, batch, lm.IGNORE_INDEX)
+
+        def train_dataloader(self) -> Any:
+            return DataLoader(lm.sequences(), batch_size=lm.BATCH, collate_fn=lm.collate)  # type: ignore[arg-type]
+
+    return CausalLM
+
+
 def _fit(scenario: Scenario, world: int, tmp: str, device: str) -> dict[str, Any]:
     from tests import helpers as h
 
@@ -101,9 +124,12 @@ def _fit(scenario: Scenario, world: int, tmp: str, device: str) -> dict[str, Any
 
     tokens = scenario.task == "tokens"
     modules = h.TOKEN_MODULES if tokens else h.REGRESSION_MODULES
-    make_data = h.token_data if tokens else h.regression_data
+    make_data: Any = h.token_data if tokens else h.regression_data
+    base = modules[scenario.namespace]
+    if scenario.task == "gpt2":
+        base, make_data = _causal_lm_module(api), lambda samples: None
 
-    class Module(modules[scenario.namespace]):  # type: ignore[misc]
+    class Module(base):  # type: ignore[misc,valid-type]
         lrs: list[float]
 
         def configure_optimizers(self) -> Any:

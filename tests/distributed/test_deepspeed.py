@@ -339,6 +339,30 @@ def test_token_weighting_on_two_ranks_weighs_by_the_total_over_the_ranks(tmp_pat
         assert result["global_step"] == result["engine_steps"] == len(TOKEN_WINDOWS)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_a_hugging_face_causal_lm_is_weighted_by_its_predicted_tokens_on_zero_2_and_3(tmp_path: Path) -> None:
+    """GPT-2 shifts its labels inside: the predicted tokens weigh each micro-batch; ``count_tokens`` (one
+    token too many per sequence) is the negative control."""
+    from lightning_gradacc.counters import count_predicted_tokens, count_tokens
+    from tests.callback import test_hf_causal_lm as lm
+
+    weighted = {"accumulation_steps": lm.K, "scaling": "weighted", "item_count_fn": count_predicted_tokens}
+    lm_run = {"task": "gpt2", "lr": lm.LR, "epochs": lm.EPOCHS}
+    zero2, zero3, miscounted = run(
+        [
+            Scenario(callback=weighted, stage=2, **lm_run),
+            Scenario(callback=weighted, stage=3, **lm_run),
+            Scenario(callback={**weighted, "item_count_fn": count_tokens}, stage=2, **lm_run),
+        ],
+        tmp_path,
+    )
+    exact = lm.big_batch_reference()
+    for result in (zero2, zero3):
+        assert diff(result, exact) < 1e-6
+        assert result["global_step"] == result["engine_steps"] == 3 * lm.EPOCHS
+    assert diff(miscounted, exact) > 1e-3
+
+
 @h.cuda_only
 def test_on_a_gpu_with_the_unmodified_strategy_fp32_is_exact_and_fp16_within_its_rounding(
     tmp_path: Path,
