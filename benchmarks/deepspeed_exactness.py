@@ -16,9 +16,17 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
+import torch
 from tests import helpers as h
 from tests.deepspeed_run import Scenario, run
+
+
+def difference(result: dict[str, Any], reference: torch.nn.Module) -> float:
+    """The largest |parameter - reference| of a run."""
+    state = result["state"]
+    return max((state[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
 
 
 def main() -> None:
@@ -40,11 +48,10 @@ def main() -> None:
     for index, (stage, k, precision) in enumerate(cases):
         windows = h.windows(5, k, epochs=2)
         reference = h.big_batch_reference(h.regression_net(), h.regression_data(20), 4, windows, h.mse)
-        row = []
-        for result in results[2 * index : 2 * index + 2]:
-            state = result["state"]
-            diff = max((state[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
-            row.append(f"{diff:.1e}, {result['global_step']} / {result['engine_steps']}")
+        row = [
+            f"{difference(result, reference):.1e}, {result['global_step']} / {result['engine_steps']}"
+            for result in results[2 * index : 2 * index + 2]
+        ]
         print(f"| {stage}, {k}, {precision or '32-true'} | {len(windows)} | {row[0]} | {row[1]} |")
     tokens()
 
@@ -69,11 +76,7 @@ def tokens() -> None:
     print('| ZeRO stage, K=3, tokens | built-in | callback, `"mean"` | callback, `"weighted"` |')
     print("|---|---|---|---|")
     for index, stage in enumerate(stages):
-        row = []
-        for result in results[3 * index : 3 * index + 3]:
-            state = result["state"]
-            diff = max((state[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
-            row.append(f"{diff:.1e}")
+        row = [f"{difference(result, reference):.1e}" for result in results[3 * index : 3 * index + 3]]
         print(f"| {stage} | {' | '.join(row)} |")
 
 

@@ -211,7 +211,7 @@ class EngineWindow:
         factor = self.settings.mode.factor(
             max(self._length, 1),
             dropped=0.0,
-            weights=self._window_items if weighted and self._window_items is not None else 0.0,
+            weights=self._window_items if self._window_items is not None else 0.0,  # "weighted" only
             loss_scale=self.loss_scale / self.engine.gradient_accumulation_steps,
             world_size=self.world_size,
         )

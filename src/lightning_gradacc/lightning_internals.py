@@ -113,6 +113,13 @@ def read_ahead(trainer: pl.Trainer, count: int) -> list[Any]:
     return [item[0] if isinstance(item, tuple) and len(item) == 3 else item for item in items]
 
 
+def held_ahead(trainer: pl.Trainer) -> int:
+    """Batches :func:`read_ahead` read that Lightning has not taken yet (0 where none were read)."""
+    fetcher = trainer.fit_loop._data_fetcher
+    iterator = getattr(fetcher, "iterator", None)
+    return len(iterator.held) if isinstance(iterator, _HeldBatches) else 0
+
+
 def load_train_data(trainer: pl.Trainer) -> None:
     """Load the train dataloader now, as ``trainer.estimated_stepping_batches`` does (once per fit).
 

@@ -21,12 +21,13 @@ class Peeking(h.pl.Callback):  # type: ignore[name-defined]
     """Reads ``ahead`` batches at every batch and records what it read and what Lightning gave."""
 
     def __init__(self, ahead: int) -> None:
-        self.ahead, self.read, self.seen, self.last = ahead, [], [], []
+        self.ahead, self.read, self.seen, self.last, self.held = ahead, [], [], [], []
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.seen.append(int(batch[0][0, 0]))
         self.last.append(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
         self.read.append([int(b[0][0, 0]) for b in internals.read_ahead(trainer, self.ahead)])
+        self.held.append(internals.held_ahead(trainer))
 
 
 @pytest.mark.parametrize("sized", [True, False], ids=["sized", "iterable"])
@@ -45,6 +46,8 @@ def test_batches_read_ahead_are_the_ones_lightning_takes_next(sized: bool) -> No
     assert peeking.seen == epoch * 2
     assert peeking.read == [epoch[i + 1 : i + 3] for i in epoch] * 2  # the next two, fewer at the epoch's end
     assert peeking.last == [i == 6 for i in epoch] * 2  # Lightning's last-batch flag is unchanged
+    # held for Lightning: what was read and not taken (the iterable loader's one is in Lightning's own queue)
+    assert peeking.held == [len(read) - (0 if sized else min(1, len(read))) for read in peeking.read]
 
 
 class Unsized:
@@ -104,6 +107,7 @@ def test_a_save_with_batches_held_ahead_warns_where_the_loader_saves_its_positio
     from lightning_gradacc.parts.read_ahead import ItemsReadAhead
 
     monkeypatch.setattr(internals, "read_ahead", lambda trainer, count: trainer.batches[:count])
+    monkeypatch.setattr(internals, "held_ahead", lambda trainer: 2)  # the fetcher's (tested above)
     stateful = type("Stateful", (), {"state_dict": lambda self: {}})()
     for loader, warns in ((stateful, True), (object(), False)):
         fit, warned = _fit_reading([{"n": 1}, {"n": 1}], loader)

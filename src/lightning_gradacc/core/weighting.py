@@ -60,6 +60,11 @@ class ItemCount:
         return loss.mul_(weight) if in_place else loss * weight
 
 
+def missing_count(label: str) -> str:
+    """Why a missing item count cannot be weighed (``scaling="weighted"`` needs every one)."""
+    return f"{label} is missing: `scaling='weighted'` needs the item count of every micro-batch"
+
+
 class ItemWeighting:
     """Checks item counts and weighs them against the reference count.
 
@@ -112,7 +117,7 @@ class ItemWeighting:
         problem = error
         check: InvalidCount | None = None
         if problem is None and items is None and weighted:
-            problem = f"{label} is missing: `scaling='weighted'` needs the item count of every micro-batch"
+            problem = missing_count(label)
         elif problem is None and items is not None:
             try:
                 value = check_item_count(items, label)

@@ -17,6 +17,13 @@ from ..engine_window import EngineWindow
 from .base import Fit, FitPart
 
 
+def engine_window(fit: Fit) -> EngineWindow:
+    """The fit's driver where an engine accumulates: its window (the engine's own calls)."""
+    driver = fit.driver
+    assert isinstance(driver, EngineWindow), "an engine's fit drives an `EngineWindow`"
+    return driver
+
+
 class EngineSteps(FitPart):
     """Tells the engine each window's boundary and counts what it stepped (see the module).
 
@@ -32,9 +39,7 @@ class EngineSteps(FitPart):
     @property
     def engine(self) -> EngineWindow:
         """The fit's driver: the engine's window (the engine's own calls: its boundary, its step)."""
-        driver = self.fit.driver
-        assert isinstance(driver, EngineWindow), "an engine's fit drives an `EngineWindow`"
-        return driver
+        return engine_window(self.fit)
 
     @override
     def train_start(self) -> None:

@@ -20,9 +20,11 @@ from typing_extensions import override
 
 from .. import lightning_internals as internals
 from ..core.settings import check_item_count
+from ..core.weighting import missing_count
 from ..counters import count_micro_batch
 from ..engine_window import EngineWindow
 from .base import Fit, FitPart
+from .engine import engine_window
 
 
 class ItemsReadAhead(FitPart):
@@ -36,24 +38,19 @@ class ItemsReadAhead(FitPart):
     def __init__(self, fit: Fit, *, item_count_fn: Callable[[Any], Any] | None) -> None:
         super().__init__(fit)
         self.item_count_fn = item_count_fn
-        self.held = 0  # batches read ahead that Lightning has not taken yet
 
     @property
     def engine(self) -> EngineWindow:
         """The fit's driver: the engine's window, told the counts."""
-        driver = self.fit.driver
-        assert isinstance(driver, EngineWindow), "only an engine's window is weighed ahead"
-        return driver
+        return engine_window(self.fit)
 
     @override
     def batch_start(self, batch: Any, batch_idx: int) -> None:
         """A window opening here: read its other batches ahead, count them, and sum over the ranks."""
-        self.held = max(self.held - 1, 0)
         engine, fit = self.engine, self.fit
         if engine.expecting:
             return
         ahead = internals.read_ahead(fit.trainer, engine.remaining - 1)
-        self.held = len(ahead)
         current = fit.batch
         counts = [self._checked(current.items, current.label, current.error)]
         for offset, later in enumerate(ahead, 1):
@@ -87,22 +84,19 @@ class ItemsReadAhead(FitPart):
         if error is not None:
             return error
         if items is None:
-            return f"{label} is missing: `scaling='weighted'` needs the item count of every micro-batch"
-        try:
-            value = check_item_count(items, label)
+            return missing_count(label)
+        try:  # a tensor of the loader's batch is read on the host (before any transfer) and checked as one
+            return float(check_item_count(float(check_item_count(items, label)), label))
         except (TypeError, ValueError) as exc:
             return str(exc)
-        number = float(value)  # a tensor of the loader's batch: on the host, before any transfer
-        if not 0 <= number < math.inf:
-            return f"{label} must be a finite number >= 0, but it is {number}"
-        return number
 
     @override
     def state_dict(self) -> dict[str, Any]:
         """Nothing saved; a save while batches are held ahead says what a stateful loader saved."""
-        if self.held and hasattr(self.fit.trainer.train_dataloader, "state_dict"):
+        held = internals.held_ahead(self.fit.trainer)
+        if held and hasattr(self.fit.trainer.train_dataloader, "state_dict"):
             self.fit.warn(
-                f"This checkpoint is taken inside a window whose next {self.held} batch(es) were read ahead"
+                f"This checkpoint is taken inside a window whose next {held} batch(es) were read ahead"
                 " (`scaling='weighted'` under DeepSpeed): a loader that saves the position of what it yielded"
                 " (e.g. `StatefulDataLoader`) saved it past them, so a resume would skip them. Save at a"
                 " window's end (`ModelCheckpoint(every_n_train_steps=...)`)."
