@@ -366,6 +366,7 @@ def big_batch_reference(
     lr: float = 0.1,
     optimizer: str = "sgd",
     sum_of_means: bool = False,
+    ranks_summed: int = 1,
     skip_windows: Sequence[int] = (),
     max_grad_norm: float | None = None,
     losses: list[float] | None = None,
@@ -380,7 +381,7 @@ def big_batch_reference(
 
     The loss of the big batch is the loss of all its items at once (for token data: the mean over every
     real token of the window); ``sum_of_means`` multiplies it by the number of micro-batches (the "sum"
-    contract with equal micro-batches). ``prepare(reference, window_index)`` runs before each window (e.g. to
+    contract with equal micro-batches), and ``ranks_summed`` by the ranks too (``"constant"``). ``prepare(reference, window_index)`` runs before each window (e.g. to
     freeze or unfreeze layers); only parameters with ``requires_grad`` then take part, as in the optimizer.
     ``fp16_autocast`` runs the forward under CPU fp16 autocast, as ``precision="16-mixed"`` does, so that
     16-mixed runs compare against the same arithmetic (the loss scale, a power of two, changes nothing).
@@ -399,7 +400,7 @@ def big_batch_reference(
         if losses is not None:
             losses.append(float(loss.detach()))
         if sum_of_means:
-            loss = loss * len(window)
+            loss = loss * len(window) * ranks_summed
         loss.backward()
         if max_grad_norm is not None:
             trainable = [p for p in reference.parameters() if p.requires_grad]

@@ -50,7 +50,7 @@ def refused(kwargs: dict[str, Any], strategy: Any) -> bool:
 def expected(world: int, rows_per_rank: int, mode: str, batches: int) -> Any:
     data = h.regression_data(batches * rows_per_rank * world)
     windows = h.windows(batches, K)
-    sum_of_means = mode == "sum"
+    sum_of_means = mode in ("sum", "constant")  # "constant": the sum over the ranks too
     return h.big_batch_reference(
         h.regression_net(),
         data,
@@ -58,11 +58,20 @@ def expected(world: int, rows_per_rank: int, mode: str, batches: int) -> Any:
         windows,
         h.mse,
         sum_of_means=sum_of_means,
+        ranks_summed=world if mode == "constant" else 1,
         max_grad_norm=0.5,
     )
 
 
-CASES = [(mode, part) for mode in SCALING_MODES if mode not in ("average", "dynamic") for part in PARTS]
+# "constant" adds a batch's pieces as they are: its contract is a loss summed over the items (this module's is
+# a mean); its pieces are held to its own contract in tests/callback/test_normalizations.py
+CASES = [
+    (mode, part)
+    for mode in SCALING_MODES
+    if mode not in ("average", "dynamic")
+    for part in PARTS
+    if not (SCALING_MODES[mode].additive and part == "pieces")
+]
 
 
 @pytest.mark.parametrize(("mode", "part"), CASES, ids=[f"{m}-{p}" for m, p in CASES])
@@ -102,7 +111,7 @@ def test_deepspeed(tmp_path: Path) -> None:
         data = h.regression_data(20)
         windows = h.windows(5, K, epochs=2)
         reference = h.big_batch_reference(
-            h.regression_net(), data, 4, windows, h.mse, sum_of_means=mode == "sum", max_grad_norm=0.5
+            h.regression_net(), data, 4, windows, h.mse, sum_of_means=mode in ("sum", "constant"), max_grad_norm=0.5
         )
         state = result["state"]
         difference = max((state[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())

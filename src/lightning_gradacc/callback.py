@@ -155,7 +155,7 @@ class GradientAccumulationLogic(_LogicBase):
         accumulation_steps: int | dict[int | str, int] | Literal["auto"] | None = None,
         *,
         target_batch_size: int | dict[int | str, int] | None = None,
-        scaling: Literal["mean", "sum", "weighted", "average", "dynamic"] = "mean",
+        scaling: Literal["mean", "sum", "weighted", "constant", "average", "dynamic"] = "mean",
         item_count_fn: ItemCountFn | None = None,
         max_grad_norm: float | None = None,
         norm_type: float = 2.0,

@@ -12,6 +12,11 @@ ignored: :func:`count_tokens`. A model that shifts its labels inside (Hugging Fa
 ``labels=``: position t predicts label t + 1) never predicts the first label of each sequence:
 :func:`count_predicted_tokens` counts ``labels[..., 1:]``.
 
+A loss that is a mean of per-sequence means (each sequence counts once, however long) is weighted by the
+sequences it averages over: :func:`count_sequences`, which finds the sequences packed into one row by
+where ``position_ids`` restart at 0 (or where ``segment_ids`` change);
+:func:`lightning_gradacc.losses.sequence_mean` is the loss that counts them the same way.
+
 Example:
     >>> import torch
     >>> batch = {"input_ids": torch.zeros(2, 3), "labels": torch.tensor([[1, 2, -100], [3, -100, -100]])}
@@ -21,6 +26,8 @@ Example:
     tensor(1)
     >>> count_samples(batch)
     2
+    >>> count_sequences(batch)
+    tensor(2)
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100
@@ -342,3 +350,101 @@ class TokenCounter:
 
     def __repr__(self) -> str:
         return f"TokenCounter(ignore_index={self.ignore_index}, shift={self.shift})"
+
+
+def segment_index(
+    shape: Sequence[int], position_ids: Tensor | None = None, segment_ids: Tensor | None = None
+) -> Tensor:
+    """Each position's sequence, numbered over the whole batch: rows, and sequences packed into a row.
+
+    A sequence starts at every row's first position and, in a packed row, where ``position_ids`` restart at 0
+    or where ``segment_ids`` change. The numbers run over the flattened batch (at most its size of them);
+    computed on the device, without a host read.
+
+    Example:
+        >>> import torch
+        >>> segment_index((2, 4), position_ids=torch.tensor([[0, 1, 0, 1], [0, 1, 2, 0]]))
+        tensor([[0, 0, 1, 1],
+                [2, 2, 2, 3]])
+        >>> segment_index((1, 4), segment_ids=torch.tensor([[7, 7, 9, 9]])).tolist()
+        [[0, 0, 1, 1]]
+    """
+    given = position_ids if position_ids is not None else segment_ids
+    starts = torch.zeros(tuple(shape), dtype=torch.bool, device=given.device if given is not None else None)
+    if starts.dim() == 0:
+        raise ValueError("The labels are a scalar: sequences need a dimension of positions.")
+    starts[..., 0] = True
+    if position_ids is not None:
+        starts |= position_ids.reshape(starts.shape) == 0
+    elif segment_ids is not None:
+        segments = segment_ids.reshape(starts.shape)
+        starts[..., 1:] |= segments[..., 1:] != segments[..., :-1]
+    return starts.reshape(-1).cumsum(0).reshape(starts.shape) - 1
+
+
+class SequenceCounter:
+    """Count the sequences that hold at least one label that is not ``ignore_index``.
+
+    For a loss that is the mean over a micro-batch's sequences of each sequence's mean over its tokens
+    (:func:`lightning_gradacc.losses.sequence_mean`): ``scaling="weighted"`` with this counter steps the
+    mean over every sequence of the window and the ranks, however the batch is cut. Rows are sequences;
+    sequences packed into a row are told apart by ``batch["position_ids"]`` (restarting at 0, as Hugging
+    Face's ``DataCollatorWithFlattening`` gives them) or ``batch["segment_ids"]`` in a mapping batch.
+
+    Args:
+        ignore_index: The label value of padding positions.
+        shift: Count over ``labels[..., 1:]`` (a model that shifts its labels inside).
+
+    Example:
+        >>> import torch
+        >>> labels = torch.tensor([[5, 6, -100, 7], [-100, -100, -100, -100]])
+        >>> SequenceCounter()({"labels": labels})  # the second row has no label
+        tensor(1)
+        >>> SequenceCounter()({"labels": labels, "position_ids": torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]])})
+        tensor(2)
+    """
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX, shift: bool = False) -> None:
+        self.ignore_index = ignore_index
+        self.shift = shift
+
+    def __call__(self, batch: Any) -> Tensor:
+        """The sequences of ``batch`` with a label (labels found as :func:`count_tokens` finds them)."""
+        labels = _labels(batch, "count_sequences")
+        position_ids = segment_ids = None
+        if isinstance(batch, Mapping):
+            position_ids, segment_ids = batch.get("position_ids"), batch.get("segment_ids")
+        return sequences_with_labels(labels, self.ignore_index, self.shift, position_ids, segment_ids)
+
+    def __repr__(self) -> str:
+        return f"SequenceCounter(ignore_index={self.ignore_index}, shift={self.shift})"
+
+
+def sequences_with_labels(
+    labels: Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    shift: bool = False,
+    position_ids: Tensor | None = None,
+    segment_ids: Tensor | None = None,
+) -> Tensor:
+    """The sequences that hold at least one label not ``ignore_index`` (a device scalar: no host read)."""
+    if shift:
+        labels = labels[..., 1:]
+        position_ids = position_ids[..., 1:] if position_ids is not None else None
+        segment_ids = segment_ids[..., 1:] if segment_ids is not None else None
+    index = segment_index(labels.shape, position_ids, segment_ids)
+    chosen = index[labels != ignore_index]
+    hits = torch.zeros(index.numel(), device=labels.device)
+    hits.index_add_(0, chosen, torch.ones(chosen.shape, device=labels.device))
+    return (hits > 0).sum()
+
+
+def count_sequences(batch: Any) -> Tensor:
+    """Sequences with a label that is not ``-100``, packed ones told apart (see :class:`SequenceCounter`).
+
+    Example:
+        >>> import torch
+        >>> count_sequences({"labels": torch.tensor([[1, -100], [-100, -100]])})
+        tensor(1)
+    """
+    return SequenceCounter()(batch)

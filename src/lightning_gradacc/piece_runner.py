@@ -142,6 +142,7 @@ class PieceRunner:
         self._mark: Callable[[bool], None] = _ignore_mark
         self._counts_batch_itself = False
         self._sync: WindowReduction | None = None  # the fit's reduction
+        self._additive = False  # losses are sums over the items: pieces add without a share
 
     @property
     def auto(self) -> bool:
@@ -161,6 +162,7 @@ class PieceRunner:
         lightning_k: Callable[[], int],
         mark: Callable[[bool], None],
         sync: WindowReduction | None = None,
+        additive: bool = False,
     ) -> None:
         """Stand in for the strategy's ``training_step`` and the plugin's ``backward`` for this fit.
 
@@ -168,14 +170,16 @@ class PieceRunner:
         for the length of a ``split_fn``'s piece the default walk cannot read; ``warn``: rank zero's;
         ``lightning_k``: what Lightning divides each loss by (the window plan's); ``mark(hold_in_grad)``: the
         running batch goes in pieces (its micro-batch must begin through ``begin_pieces``); ``sync``: the
-        fit's reduction (FSDP's, deferred to the window's last backward, is held back in the other pieces).
+        fit's reduction (FSDP's, deferred to the window's last backward, is held back in the other pieces);
+        ``additive``: each loss is a sum over its items divided by a constant (``scaling="constant"``), so the
+        pieces' losses add as they are, without a share.
         """
         self.uninstall()
         strategy, plugin = trainer.strategy, trainer.strategy.precision_plugin
         self._step, self._backward = strategy.training_step, plugin.backward
         strategy.training_step, plugin.backward = self._training_step, self._plugin_backward
         self._installed = (strategy, plugin)
-        self._sync = sync
+        self._sync, self._additive = sync, additive
         self._scaler = grad_scaler(trainer)
         self._trainer = trainer
         self._accumulator = accumulator
@@ -477,7 +481,7 @@ class PieceRunner:
                 "With `piece_size`, `training_step` must return the loss (a Tensor, or a mapping with 'loss')"
                 f" for every piece; it returned {type(output).__name__}."
             )
-        share = self._share(piece, run)
+        share = 1.0 if self._additive else self._share(piece, run)
         if isinstance(share, Tensor):  # a piece without items: its mean is 0/0, its part nothing
             weighted = torch.where(share > 0, loss * share, torch.zeros_like(loss))
         else:

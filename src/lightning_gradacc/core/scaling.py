@@ -26,17 +26,23 @@ class ScalingMode:
         weighted: Each micro-batch's loss is multiplied by its items over a reference count, so the window
             is the item-weighted mean over the micro-batches and the ranks (its item counts are needed).
         summed: The window's gradient is the sum of its micro-batches' (else a mean).
+        additive: Each loss is a sum over its items divided by a constant of the whole step, so losses add:
+            the window's gradient is the sum over the micro-batches and the ranks (the average DDP, FSDP and
+            DeepSpeed take over the ranks undone), and the pieces of a batch add without a share.
 
     Example:
         >>> SCALING_MODES["mean"].factor(4, dropped=1.0, weights=0.0, loss_scale=0.25, world_size=1)
         1.3333333333333333
         >>> SCALING_MODES["weighted"].weighted, SCALING_MODES["sum"].summed
         (True, True)
+        >>> SCALING_MODES["constant"].factor(4, dropped=0.0, weights=0.0, loss_scale=0.25, world_size=2)
+        8.0
     """
 
     name: str
     weighted: bool = False
     summed: bool = False
+    additive: bool = False
 
     def factor(
         self, micro_batches: int, *, dropped: Scalar, weights: Scalar, loss_scale: float, world_size: int
@@ -60,7 +66,7 @@ class ScalingMode:
                 return world_size / (loss_scale * torch.where(weights > 0, weights, 1.0))
             return world_size / (loss_scale * (weights if weights > 0 else 1.0))
         if self.summed:
-            return 1.0 / loss_scale
+            return (world_size if self.additive else 1.0) / loss_scale
         if isinstance(dropped, Tensor):
             return 1.0 / ((micro_batches - dropped).clamp(min=1) * loss_scale)
         return 1.0 / (max(micro_batches - dropped, 1) * loss_scale)
@@ -70,4 +76,6 @@ SCALING_MODES = {
     "mean": ScalingMode("mean"),
     "sum": ScalingMode("sum", summed=True),
     "weighted": ScalingMode("weighted", weighted=True),
+    # a loss divided by a constant of the step (a token budget, Dr. GRPO's): no count, so every engine
+    "constant": ScalingMode("constant", summed=True, additive=True),
 }

@@ -15,7 +15,7 @@ import torch
 
 from .scaling import SCALING_MODES, ScalingMode
 
-Scaling = Literal["mean", "sum", "weighted", "average", "dynamic"]
+Scaling = Literal["mean", "sum", "weighted", "constant", "average", "dynamic"]
 OverflowPolicy = Literal["skip", "raise", "ignore", "skip_micro_batch"]
 ClipMode = Literal["step", "micro_batch"]
 ClipScope = Literal["global", "parameter"]
@@ -112,7 +112,7 @@ def check_choice(name: str, value: Any, choices: Any) -> str:
 
 
 def check_scaling(value: Any) -> str:
-    """Return the canonical scaling name (``"mean"``, ``"sum"`` or ``"weighted"``); aliases are resolved.
+    """Return the canonical scaling name (``"mean"``, ``"sum"``, ``"weighted"``, ``"constant"``): no alias.
 
     Example:
         >>> check_scaling("average")
@@ -291,7 +291,10 @@ class AccumulationSettings:
         lambda value: check_scaling(value),
         '``"mean"`` (alias ``"average"``): the mean over the micro-batches actually run; ``"sum"``;'
         ' ``"weighted"`` (alias ``"dynamic"``): each micro-batch weighted by its items, over the'
-        " micro-batches and the data-parallel ranks (the item counts count them).",
+        " micro-batches and the data-parallel ranks (the item counts count them): a token mean with"
+        ' `count_tokens`, a sequence mean with `count_sequences`; ``"constant"``: each loss is a sum'
+        " divided by a constant of the whole step, and the step adds every micro-batch's gradient over"
+        " the micro-batches and the ranks.",
     )
     max_grad_norm: float | None = _setting(
         None,
@@ -378,6 +381,13 @@ class AccumulationSettings:
                 "`noise_scale=True` cannot be combined with `overflow='skip_micro_batch'` or"
                 " `clip_mode='micro_batch'`: they drop or clip single micro-batches, so the window's gradient"
                 " is no longer the mean of the micro-batch gradients the estimate compares it with."
+            )
+        if self.noise_scale and self.mode.additive:
+            raise ValueError(
+                "`noise_scale=True` (or `accumulation_steps='auto'`, which decides from it) cannot be"
+                f" combined with `scaling={self.scaling!r}`: its losses are sums divided by a constant, not"
+                " means over their items, so a micro-batch's gradient is not an estimate of the mean gradient"
+                " the noise scale compares. Use `scaling='weighted'` with a counter for the noise scale."
             )
         check_buffer_settings(self.overflow, self.clip_mode, self.accumulation_dtype, self.max_grad_norm)
         if self.clip_scope == "parameter" and self.max_grad_norm is None:

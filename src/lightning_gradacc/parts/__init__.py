@@ -52,7 +52,12 @@ def assemble(
     if ReductionPart.acts(fit.sync):
         parts.append(ReductionPart(fit))
     if runner is not None:
-        parts.append(PiecesPart(fit, runner=runner, count=item_count_fn, lightning_k=plan.lightning_k))
+        additive = window.settings.mode.additive  # the pieces' losses add without a share
+        parts.append(
+            PiecesPart(
+                fit, runner=runner, count=item_count_fn, lightning_k=plan.lightning_k, additive=additive
+            )
+        )
     noise_scale = window.settings.noise_scale
     reporting = ReportingPart(fit, parts=Parts(parts), noise_scale=noise_scale, log_stats=log_stats)
     return [*parts, reporting], reporting

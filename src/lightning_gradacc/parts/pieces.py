@@ -29,6 +29,7 @@ class PiecesPart(FitPart):
         runner: The callback's runner (it keeps the size over fits).
         count: The item counter, or ``None``.
         lightning_k: What Lightning divides each loss by (the plan's).
+        additive: Each loss is a sum over its items (``scaling="constant"``): pieces add without a share.
     """
 
     saved: ClassVar[Declaration] = {"pieces": {"size": "smallest", "oom_retries": "largest"}}
@@ -40,9 +41,11 @@ class PiecesPart(FitPart):
         runner: PieceRunner,
         count: Callable[[Any], Any] | None,
         lightning_k: Callable[[], int],
+        additive: bool = False,
     ) -> None:
         super().__init__(fit)
         self.runner, self.count, self.lightning_k = runner, count, lightning_k
+        self.additive = additive
 
     @override
     def train_start(self) -> None:
@@ -56,6 +59,7 @@ class PiecesPart(FitPart):
             lightning_k=self.lightning_k,
             mark=self._mark,
             sync=fit.sync,
+            additive=self.additive,
         )
 
     def _mark(self, hold_in_grad: bool) -> None:
