@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_gradacc import losses
+from tests.helpers import ResumableLoader
 
 VOCAB = 11
 IGNORE = -100
@@ -136,13 +137,20 @@ class SequenceModule(pl.LightningModule):
         bug: str | None = None,
         lr: float = 0.5,
         seed: int = 0,
+        resumable: bool = False,
     ) -> None:
         super().__init__()
         self.net = net(seed)
         self.data, self.normalization, self.batch_size = data, normalization, batch_size
-        self.bug, self.lr = bug, lr
+        self.bug, self.lr, self.resumable = bug, lr, resumable
+
+    def on_train_epoch_start(self) -> None:
+        if self.resumable:
+            self.trainer.train_dataloader.consumed = 0
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if self.resumable:  # the loader skips what was consumed when it resumes mid-epoch
+            self.trainer.train_dataloader.consumed += 1
         labels = batch["labels"]
         token = token_losses(self.net, batch["input_ids"], labels)
         if self.bug == "world_size":
@@ -161,10 +169,11 @@ class SequenceModule(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         rows, trainer = Rows(self.data), self._trainer
+        loader = ResumableLoader if self.resumable else DataLoader
         if trainer is not None and trainer.world_size > 1:  # rank r reads rows r, r + R, ...
             sampler = DistributedSampler(rows, trainer.world_size, trainer.global_rank, shuffle=False)
-            return DataLoader(rows, batch_size=self.batch_size, sampler=sampler)
-        return DataLoader(rows, batch_size=self.batch_size, shuffle=False)
+            return loader(rows, batch_size=self.batch_size, sampler=sampler)
+        return loader(rows, batch_size=self.batch_size, shuffle=False)
 
 
 def settings(normalization: str) -> dict[str, Any]:
@@ -210,6 +219,44 @@ def big_batch(
 def row_windows(rows: int, per_window: int) -> list[list[int]]:
     """Windows of ``per_window`` consecutive rows (the last one shorter)."""
     return [list(range(start, min(start + per_window, rows))) for start in range(0, rows, per_window)]
+
+
+def budget_windows(
+    data: Sequences, rows_per_micro_batch: int, normalization: str, budget: float, epochs: int = 1
+) -> list[list[int]]:
+    """The windows an item budget closes: micro-batches of rows (all ranks' together) until their items
+    reach ``budget``; an epoch's end closes the last. Items: target tokens, or sequences for sequence mean."""
+    rows = len(data.inputs)
+    windows: list[list[int]] = []
+    for _ in range(epochs):
+        window: list[int] = []
+        items = 0
+        for start in range(0, rows, rows_per_micro_batch):
+            chunk = list(range(start, min(start + rows_per_micro_batch, rows)))
+            window += chunk
+            if normalization == "sequence_mean":  # sequences with a target (every one here has one)
+                items += sum(len(data.members[row]) for row in chunk)
+            else:
+                items += int((data.labels[chunk] != IGNORE).sum())
+            if items >= budget:
+                windows.append(window)
+                window, items = [], 0
+        if window:
+            windows.append(window)
+    return windows
+
+
+def budget_settings(normalization: str, budget: int) -> dict[str, Any]:
+    """The normalization's settings with an item budget: tokens, or sequences for sequence mean."""
+    chosen = settings(normalization)
+    if "item_count_fn" not in chosen:  # "constant": the budget counts target tokens
+        from lightning_gradacc.counters import count_tokens
+
+        chosen["item_count_fn"] = count_tokens
+    return {**chosen, "items_per_step": budget}
+
+
+BUDGETS = {"token_mean": 30, "sequence_mean": 6, "constant": 30}
 
 
 def difference(module: nn.Module, reference: nn.Module) -> float:

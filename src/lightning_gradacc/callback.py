@@ -32,7 +32,7 @@ from .core.settings import SETTINGS, AccumulationSettings, with_setting_docs
 from .core.versions import LIGHTNING_FLOOR, require
 from .counters import check_item_count_fn
 from .fit_accumulator import SavedState
-from .k_policies import AutoSettings, make_policy
+from .k_policies import AutoSettings, KPolicy, make_policy
 from .layouts import layout_of
 from .lr_schedule import TokenSchedule, make_schedule
 from .namespaces import PYTORCH_LIGHTNING, LightningNamespace, namespace
@@ -58,6 +58,23 @@ else:
 
 # Returns a number or a Tensor. Annotated Any: jsonargparse rejects a function returning `int` for a union.
 ItemCountFn = Callable[[Any], Any]
+
+
+def check_budget(policy: KPolicy, *, lr_scaling: str, piece_size: Any) -> None:
+    """Refuse what an item budget (``items_per_step``) cannot drive: ``lr_scaling`` and ``piece_size``."""
+    if policy.budget is None:
+        return
+    if lr_scaling != "none":
+        raise ValueError(
+            f"`{policy.describe()}` cannot be combined with `lr_scaling={lr_scaling!r}`: a window's K is not"
+            " chosen, so there is no K to scale the learning rate by (an `lr_schedule` over the items"
+            " consumed is)."
+        )
+    if piece_size is not None:
+        raise ValueError(
+            f"`{policy.describe()}` cannot be combined with `piece_size={piece_size!r}` yet: the pieces of a"
+            " batch are weighed by a K that an item budget changes batch by batch."
+        )
 
 
 def estimated_stepping_batches(trainer: pl.Trainer, *, most: bool = False) -> int | float:
@@ -93,6 +110,11 @@ class GradientAccumulationLogic(_LogicBase):
             world size)), resolved in ``setup`` (before ``configure_optimizers``, so that
             ``trainer.estimated_stepping_batches`` is exact); or a size per stage ``{threshold: items}``
             keyed by ``schedule_unit="steps"`` or ``"items"``. Exclusive with ``accumulation_steps``.
+        items_per_step: An item budget (``4096``, ``"1M"``): each window closes at the first micro-batch at
+            which its items over all ranks (``item_count_fn``'s, e.g. tokens; else the batch size) reach it,
+            and an epoch's end closes the last one. The steps follow the data: ``estimated_stepping_batches``
+            counts them only where items are samples of fixed-size batches (``most=True``: a bound). One
+            scalar all-reduce per micro-batch under DDP/FSDP. Exclusive with the other ways to set K.
         item_count_fn: ``batch -> number | Tensor``: items in a micro-batch for ``"weighted"`` (default: the
             batch size, when every tensor of the batch agrees on it). Any finite number >= 0; a device tensor
             is fine (no sync). A micro-batch with 0 items weighs nothing.
@@ -155,6 +177,7 @@ class GradientAccumulationLogic(_LogicBase):
         accumulation_steps: int | dict[int | str, int] | Literal["auto"] | None = None,
         *,
         target_batch_size: int | dict[int | str, int] | None = None,
+        items_per_step: int | str | None = None,
         scaling: Literal["mean", "sum", "weighted", "constant", "average", "dynamic"] = "mean",
         item_count_fn: ItemCountFn | None = None,
         max_grad_norm: float | None = None,
@@ -179,7 +202,8 @@ class GradientAccumulationLogic(_LogicBase):
         split_fn: SplitFn | None = None,
         oom_snapshot: bool = False,
     ) -> None:
-        policy = make_policy(accumulation_steps, target_batch_size, schedule_unit, auto)
+        policy = make_policy(accumulation_steps, target_batch_size, schedule_unit, auto, items_per_step)
+        check_budget(policy, lr_scaling=lr_scaling, piece_size=piece_size)
         self.plan = WindowPlan(policy, lr_scaling, make_schedule(lr_schedule))
         self.sharded_reduction = check_reduction(sharded_reduction)
         # the settings the user chose: only those warn where they cannot take effect (None: "skip")
@@ -189,7 +213,9 @@ class GradientAccumulationLogic(_LogicBase):
         self.settings = AccumulationSettings(**{name: given[name] for name in SETTINGS} | implied)
         self.piece_size = check_piece_size(piece_size)
         weighted, pieces = self.settings.mode.weighted, self.piece_size is not None
-        check_item_count_fn(item_count_fn, weighted=weighted, scaling=scaling, pieces=pieces)
+        check_item_count_fn(
+            item_count_fn, weighted=weighted, scaling=scaling, pieces=pieces, budget=policy.budget is not None
+        )
         if not isinstance(log_stats, bool):
             raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
         self.item_count_fn, self.log_stats = item_count_fn, log_stats

@@ -318,6 +318,25 @@ def check_window_can_end(sync: WindowReduction, reduction: str) -> None:
         )
 
 
+def warn_step_schedulers_under_budget(api: LightningNamespace, trainer: pl.Trainer, policy: Any) -> None:
+    """Warn where an item budget closes the windows and an LR scheduler steps by optimizer steps.
+
+    The steps then follow the data: a schedule built for a number of steps reaches its end early or late
+    (``estimated_stepping_batches(trainer, most=True)`` is only a bound where items are tokens).
+    """
+    if policy.budget is None:
+        return
+    stepped = [type(c.scheduler).__name__ for c in trainer.lr_scheduler_configs if c.interval == "step"]
+    if stepped:
+        api.rank_zero_warn(
+            f"`{policy.describe()}` closes each optimizer step on its items, so the number of steps follows"
+            f" the data, but {', '.join(stepped)} steps with `interval='step'`: its schedule runs by steps of"
+            " different sizes. Schedule the learning rate by the items consumed"
+            " (`lr_schedule=TokenSchedule(...)`), or size it with `estimated_stepping_batches(trainer)`"
+            " (`most=True` where the items are tokens)."
+        )
+
+
 def warn_ddp_comm_hook(api: LightningNamespace, strategy: Any) -> None:
     """Warn that a DDP communication hook does not run while DDP's sync is off for the fit."""
     if internals.ddp_comm_hook(strategy) is not None:
@@ -437,6 +456,7 @@ CHECKS: dict[Phase, tuple[Callable[[RunFacts], None], ...]] = {
             f.callback.plan.describe(),
             lambda trainer: f.callback.estimated_stepping_batches(trainer, most=True),
         ),
+        lambda f: warn_step_schedulers_under_budget(f.api, f.trainer, f.callback.plan.policy),
         lambda f: warn_ddp_comm_hook(f.api, f.trainer.strategy) if f.reduction.core_reduces else None,
         lambda f: check_cuda_graphs(f.trainer, f.pl_module, _largest_k(f), f.callback.piece_size is not None),
     ),

@@ -125,16 +125,20 @@ def first_tensor_length(batch: Any) -> int | None:
     return None
 
 
-def check_item_count_fn(item_count_fn: Any, *, weighted: bool, scaling: str, pieces: bool = False) -> None:
+def check_item_count_fn(
+    item_count_fn: Any, *, weighted: bool, scaling: str, pieces: bool = False, budget: bool = False
+) -> None:
     """Refuse an ``item_count_fn`` that is not callable, or one that counts for nothing.
 
-    It weights micro-batches (``scaling="weighted"``) and the pieces of a batch (``piece_size``).
+    It weights micro-batches (``scaling="weighted"``), the pieces of a batch (``piece_size``), and counts
+    what an item budget closes windows on (``items_per_step``).
 
     Args:
         item_count_fn: The callback's argument (``None``: none given).
         weighted: Whether the scaling is ``"weighted"`` (aliases resolved).
         scaling: The ``scaling`` argument as given, for the message.
         pieces: Whether batches may run in pieces (``piece_size``).
+        budget: Whether an item budget closes the windows (``items_per_step``).
     """
     if item_count_fn is None:
         return
@@ -142,10 +146,11 @@ def check_item_count_fn(item_count_fn: Any, *, weighted: bool, scaling: str, pie
         raise TypeError(
             f"Expected argument `item_count_fn` to be callable (batch -> number), but got {item_count_fn!r}."
         )
-    if not weighted and not pieces:
+    if not weighted and not pieces and not budget:
         raise ValueError(
-            f"Argument `item_count_fn` is only used with `scaling='weighted'` or `piece_size`, but got"
-            f" scaling={scaling!r} and no `piece_size`. Set `scaling='weighted'` or remove `item_count_fn`."
+            "Argument `item_count_fn` is only used with `scaling='weighted'`, `piece_size` or"
+            f" `items_per_step`, but got scaling={scaling!r} and neither of the others. Set"
+            " `scaling='weighted'` or remove `item_count_fn`."
         )
 
 

@@ -19,7 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .core.settings import ScheduleUnit, check_bool, check_choice, check_positive_int, check_schedule
+from .core.settings import (
+    ScheduleUnit,
+    check_bool,
+    check_choice,
+    check_positive_int,
+    check_schedule,
+    parse_threshold,
+)
 
 
 def linear_ramp(
@@ -101,8 +108,11 @@ class KPolicy:
             plan hands it :class:`WindowFacts` when each window closes).
         needs_micro_batch_size: Whether K is derived from the train loader's batch size: the plan reads it
             (in ``setup``, and again at train start) and hands it to :meth:`resolve`.
+        budget: Items over all ranks that close a window (``None``: K closes it): a window then ends at the
+            first micro-batch at which its items reach the budget, decided batch by batch.
     """
 
+    budget: float | None = None
     per_window = False
     counts_items = False
     configured = True
@@ -357,6 +367,69 @@ class TargetBatchSize(KPolicy):
     def progress(self, steps: int, items: float) -> str | None:
         """The resolved schedule's progress (per stage)."""
         return self.resolved.progress(steps, items) if self.resolved is not None else None
+
+
+# the largest K of an item budget: a window holds as many micro-batches as its items need
+UNBOUNDED_K = 2**31 - 1
+
+
+class ItemBudget(KPolicy):
+    """Each window closes at the first micro-batch at which its items over all ranks reach ``items``.
+
+    Items are what the callback counts (``item_count_fn``: tokens; else the batch size). Every window is still
+    one big batch of its own micro-batches; the number of micro-batches, and of steps, follows the data.
+
+    Example:
+        >>> policy = ItemBudget("4k").for_fit(1)
+        >>> policy.budget, policy.describe(), policy.k_at(0, 3, 12000.0)
+        (4000.0, 'items_per_step=4000', 1)
+    """
+
+    per_window = True
+    counts_items = True
+
+    def __init__(self, items: Any) -> None:
+        try:
+            count = parse_threshold("items_per_step", items)
+        except ValueError:
+            count = 0
+        if not count > 0:
+            raise ValueError(
+                "Expected argument `items_per_step` to be a whole number > 0 (or a string such as '4k',"
+                f" '1M'), but got {items!r}."
+            )
+        self.budget: float = float(count)
+
+    def k_at(self, epoch: int, steps: int, items: float) -> int | None:
+        """1 when a window opens: it grows batch by batch until its items reach the budget."""
+        return 1
+
+    def first_k(self) -> int | None:
+        """1: a learning-rate factor by K has no meaning here (``lr_scaling`` is refused)."""
+        return 1
+
+    def largest_k(self) -> int | None:
+        """Unbounded: a window holds as many micro-batches as its items need."""
+        return UNBOUNDED_K
+
+    def smallest_k(self) -> int:
+        """1: the most steps a fit can take is one per micro-batch."""
+        return 1
+
+    def describe(self) -> str:
+        """``items_per_step=N``."""
+        return f"items_per_step={self.budget:.0f}"  # a whole number
+
+    def progress(self, steps: int, items: float) -> str | None:
+        """The steps and the items consumed.
+
+        Example:
+            >>> ItemBudget(100).progress(3, 320.0)
+            'by an item budget of 100 per step: 3 steps, 320 items consumed (106.7 per step)'
+        """
+        per_step = f" ({items / steps:,.1f} per step)" if steps else ""
+        budget = f"by an item budget of {self.budget:,g} per step"
+        return f"{budget}: {steps:,} steps, {items:,.0f} items consumed{per_step}"
 
 
 AutoRule = Literal["budget", "goodput"]
@@ -677,6 +750,7 @@ def make_policy(
     target_batch_size: Any = None,
     schedule_unit: Any = "epochs",
     auto: AutoSettings | dict[str, Any] | None = None,
+    items_per_step: Any = None,
 ) -> KPolicy:
     """The policy the callback's arguments describe; every combination checked, before any training.
 
@@ -687,6 +761,20 @@ def make_policy(
         "accumulation_steps='auto' (rule='budget', budget=1, K in [1, 16])"
     """
     unit = check_choice("schedule_unit", schedule_unit, ScheduleUnit)
+    if items_per_step is not None:
+        given = {
+            "accumulation_steps": accumulation_steps,
+            "target_batch_size": target_batch_size,
+            "auto": auto,
+        }
+        others = [f"`{name}` ({value!r})" for name, value in given.items() if value is not None]
+        if others or unit != "epochs":
+            others += [f"`schedule_unit` ({unit!r})"] if unit != "epochs" else []
+            raise ValueError(
+                f"`items_per_step={items_per_step!r}` closes each window on its items, so it cannot be"
+                f" combined with {', '.join(others)}: leave them unset."
+            )
+        return ItemBudget(items_per_step)
     if auto is not None and accumulation_steps != "auto":
         raise ValueError(
             f"Argument `auto` ({auto!r}) sets how `accumulation_steps='auto'` chooses K, but"
@@ -752,11 +840,20 @@ def stepping_batches(
         16
         >>> stepping_batches(KeyedSchedule({0: 2, 2: 3}, "steps"), [4.0] * 10, 1)  # 2 2 | 3 3 | 0
         4
+        >>> stepping_batches(ItemBudget(10), [4.0] * 10, 2)  # 3 3 3 1 per epoch
+        8
     """
     steps, items = 0, 0.0
     batches = len(batch_items)
     for epoch in range(max(max_epochs, 1)):
         start = 0
+        while start < batches and policy.budget is not None:  # each window: until its items reach it
+            end, window = start, 0.0
+            while end < batches and window < policy.budget:
+                window, end = window + batch_items[end], end + 1
+            items, start, steps = items + window, end, steps + 1
+            if max_steps != -1 and steps >= max_steps:
+                return max_steps
         while start < batches:
             k = policy.k_at(epoch, steps, items)
             if k is None:

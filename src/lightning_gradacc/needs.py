@@ -26,6 +26,8 @@ PROVISIONS = {
     "callback_overflow": "the callback decides what a non-finite gradient does",
     "torch_step": "the optimizer's step (torch's, or an engine's around it) can take a learning-rate factor",
     "fsdp_reduction": "the reduction of the window's gradient can be deferred to its last backward",
+    "window_end_per_batch": "whether a window ends can be decided at each micro-batch, once its items are"
+    " counted",
 }
 
 
@@ -128,6 +130,15 @@ NEEDS = (
         "the learning-rate factor is applied around the optimizer's step, which this strategy does not"
         " expose. Use an LR scheduler in `configure_optimizers`.",
         "`lr_scaling`, `lr_schedule`",
+    ),
+    Need(
+        lambda c: f"items_per_step={c.plan.policy.budget:.0f}",
+        lambda c: c.plan.policy.budget is not None,
+        "window_end_per_batch",
+        "the engine needs each window's length before its first backward (its boundary and its division),"
+        " and an item budget knows it only at the window's last micro-batch. Use `accumulation_steps` or"
+        " `target_batch_size`.",
+        "`items_per_step`",
     ),
     Need(
         lambda c: f"sharded_reduction={c.sharded_reduction!r}",

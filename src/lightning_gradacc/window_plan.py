@@ -94,6 +94,7 @@ class Position:
         window_k: K of the open window (or of the last one): the policy's answer when it opened.
         lightning_k: ``accumulate_grad_batches`` for the open window: what Lightning divides its losses by.
         batches_in_window: Batches of the open window started so far (0: no window open).
+        window_items: Items of the open window so far, over all ranks (an item budget closes it).
     """
 
     steps: int = 0
@@ -101,6 +102,7 @@ class Position:
     window_k: int = 1
     lightning_k: int = 1
     batches_in_window: int = 0
+    window_items: float = 0.0
 
 
 class WindowPlan:
@@ -217,6 +219,21 @@ class WindowPlan:
         return self.position.items if self.run is not None and self._counts_items else None
 
     @property
+    def closes_on_items(self) -> bool:
+        """Whether an item budget closes each window (:meth:`take_items` decides, batch by batch)."""
+        return self._policy.budget is not None
+
+    def loss_correction(self, trainer: pl.Trainer) -> float:
+        """What the running batch's loss must be multiplied by to carry the core's loss scale.
+
+        Lightning divides it by its ``accumulate_grad_batches``; the core expects 1 / Lightning's K of the
+        window. They differ only under an item budget, whose Lightning K changes batch by batch.
+        """
+        accumulator = self._accumulator
+        scale = accumulator.loss_scale if accumulator is not None else 1.0
+        return float(trainer.accumulate_grad_batches) * scale
+
+    @property
     def _drives_windows(self) -> bool:
         """Whether a K is written window by window (else once per epoch)."""
         return self._policy.per_window or self.closes_epoch_tail
@@ -259,6 +276,16 @@ class WindowPlan:
                 tokens).
         """
         policy = self._policy
+        if policy.budget is not None and not counts_samples:
+            if not most:
+                raise ValueError(
+                    f"`{policy.describe()}` closes each window on its items, counted by `item_count_fn`:"
+                    " its optimizer steps are not known before the data is read. Schedule the learning rate"
+                    " over the items consumed (`lr_schedule=TokenSchedule(...)`), or size a step schedule"
+                    " for the most steps this fit can take: `estimated_stepping_batches(trainer, most=True)`"
+                    " (one per micro-batch)."
+                )
+            policy = FixedK(1)
         if policy.adaptive:
             if not most:
                 raise ValueError(
@@ -325,7 +352,9 @@ class WindowPlan:
             accumulator.accumulation_steps = window_k
             if self.closes_epoch_tail and isinstance(accumulator, EngineWindow):  # before its first backward
                 accumulator.window_length = window_k if length is None else length
-            accumulator.loss_scale = 1.0 / lightning_k  # what Lightning divides every loss by
+            # what Lightning divides every loss by; under an item budget its K changes batch by batch, and
+            # each loss is brought back to 1 before its backward (`loss_correction`)
+            accumulator.loss_scale = 1.0 if self.closes_on_items else 1.0 / lightning_k
 
     def _k_now(self, trainer: pl.Trainer) -> int | None:
         return self._policy.k_at(trainer.current_epoch, self.position.steps, self.position.items)
@@ -398,6 +427,7 @@ class WindowPlan:
     def epoch_start(self, trainer: pl.Trainer) -> None:
         """An epoch starts: a window still open there is abandoned; a K per epoch is written."""
         self.position.batches_in_window = 0
+        self.position.window_items = 0.0
         self._policy.epoch_started()
         if not self._drives_windows:
             k = self._k_now(trainer)
@@ -429,11 +459,34 @@ class WindowPlan:
         assert k is not None
         length = self.window_length(trainer, ready, k) if trainer is not None else k
         lightning_k = window_lightning_k(ready, length) if self._drives_windows else k
+        if self.closes_on_items:  # no step at this batch until `take_items` says where the window ends
+            lightning_k = ready + 1
         if trainer is not None:
             self._write(trainer, k, lightning_k, length if self.closes_epoch_tail else None)
         else:
             self.position.window_k, self.position.lightning_k = k, lightning_k
         return k
+
+    def take_items(self, trainer: pl.Trainer, items: float) -> bool:
+        """An item budget: add the running batch's items (over all ranks); whether it closes the window.
+
+        Lightning is driven for this batch alone: where the window goes on, a K that divides neither this
+        batch's ``ready`` nor the one before (no step, no zeroing); where it closes, a K of the window's
+        length that divides ``ready`` (:func:`window_lightning_k`). An epoch's last batch closes a window in
+        any case.
+        """
+        position, budget = self.position, self._policy.budget
+        assert budget is not None
+        position.window_items += items
+        ready = internals.batches_ready(trainer)
+        closes = position.window_items >= budget
+        length = position.batches_in_window
+        lightning_k = window_lightning_k(ready - length + 1, length) if closes else ready + 1
+        position.lightning_k, position.window_k = lightning_k, length if closes else length + 1
+        trainer.accumulate_grad_batches = self._written = lightning_k
+        if self._accumulator is not None:  # the core's K grows with the window: full where the budget ends it
+            self._accumulator.accumulation_steps = position.window_k
+        return closes
 
     def window_closed(self, accumulator: WindowDriver) -> None:
         """The open window was finalized (stepped or skipped) by ``accumulator``.
@@ -444,6 +497,7 @@ class WindowPlan:
         position, policy = self.position, self._policy
         position.steps += 1
         self._items_before, self._closed_unstepped = position.items, True  # this window's step's index
+        position.window_items = 0.0
         if self._counts_items:
             window_items = accumulator.statistic("items_last_step")
             position.items += window_items
@@ -467,6 +521,7 @@ class WindowPlan:
     def window_abandoned(self) -> None:
         """The open window was discarded (an epoch or a fit ended inside it): the next batch opens one."""
         self.position.batches_in_window = 0
+        self.position.window_items = 0.0
 
     def end_fit(self, trainer: pl.Trainer) -> None:
         """The fit ended: a window open there is abandoned, the hooks removed.
@@ -513,6 +568,7 @@ class WindowPlan:
             window_k=int(state["window_k"]),
             lightning_k=int(state["lightning_k"]),
             batches_in_window=int(state["batches_in_window"]),
+            window_items=float(state.get("window_items", 0.0)),  # absent before item budgets
         )
         self._restored = True
         self._policy.load_state_dict(state.get("policy") or {})

@@ -40,8 +40,18 @@ from lightning_gradacc import GradientAccumulationCallback
         (
             {"item_count_fn": len},
             ValueError,
-            "`item_count_fn` is only used with `scaling='weighted'` or `piece_size`",
+            "`item_count_fn` is only used with `scaling='weighted'`, `piece_size` or `items_per_step`",
         ),
+        ({"items_per_step": 0}, ValueError, "`items_per_step` to be a whole number > 0 .* but got 0"),
+        ({"items_per_step": "lots"}, ValueError, "`items_per_step` to be a whole number > 0 .* but got 'lots'"),
+        (
+            {"items_per_step": 64, "target_batch_size": 8},
+            ValueError,
+            "`items_per_step=64` closes each window on its items, so it cannot be combined with"
+            " `target_batch_size` \\(8\\)",
+        ),
+        ({"items_per_step": 64, "lr_scaling": "sqrt"}, ValueError, "no K to scale the learning rate by"),
+        ({"items_per_step": 64, "piece_size": 2}, ValueError, "cannot be combined with `piece_size=2` yet"),
         ({"max_grad_norm": 0}, ValueError, "`max_grad_norm` to be a positive float or None, but got 0"),
         ({"max_grad_norm": -1.0}, ValueError, "`max_grad_norm` to be a positive float or None, but got -1.0"),
         (

@@ -9,9 +9,11 @@ plain-PyTorch big batch of the window's sequences (``tests/normalization_cases.p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from lightning_gradacc import GradientAccumulationCallback
+from lightning_gradacc import GradientAccumulationCallback, estimated_stepping_batches
 from tests import helpers as h
 from tests import normalization_cases as cases
 
@@ -59,3 +61,55 @@ def test_another_mode_misses_the_big_batch(normalization: str, wrong: str) -> No
     h.fit(module, GradientAccumulationCallback(PER_WINDOW // 2, **settings))
     expected = cases.big_batch(data, cases.row_windows(ROWS, PER_WINDOW), normalization)
     assert cases.difference(module.net, expected) > 1e-3
+
+
+# ------------------------------------------------------------------------------------- item budgets
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("normalization", list(cases.NORMALIZATIONS))
+@pytest.mark.parametrize("micro_batch", [1, 2, 8])
+def test_an_item_budget_closes_each_window_as_its_big_batch(
+    normalization: str, packed: bool, micro_batch: int
+) -> None:
+    """Windows close at the first micro-batch whose items reach the budget, over 2 epochs (tails closed)."""
+    data = cases.make_sequences(ROWS, packed=packed)
+    budget = cases.BUDGETS[normalization]
+    module = cases.SequenceModule(data, normalization, micro_batch)
+    callback = GradientAccumulationCallback(**cases.budget_settings(normalization, budget))
+    trainer = h.fit(module, callback, max_epochs=2)
+    windows = cases.budget_windows(data, micro_batch, normalization, budget, epochs=2)
+    assert trainer.global_step == len(windows)
+    assert cases.difference(module.net, cases.big_batch(data, windows, normalization)) < 1e-6
+
+
+@pytest.mark.parametrize("at", [1, 2, 5, 13])  # inside windows of epoch 1, and one in epoch 2
+def test_a_resume_inside_a_budget_window_goes_on_exactly(tmp_path: Path, at: int) -> None:
+    data = cases.make_sequences(ROWS, packed=True)
+    settings = cases.budget_settings("token_mean", 30)
+    path = tmp_path / "mid.ckpt"
+
+    def module() -> cases.SequenceModule:
+        return cases.SequenceModule(data, "token_mean", 2, resumable=True)
+
+    h.preempt(module(), [GradientAccumulationCallback(**settings)], at, path)
+    resumed = module()
+    trainer = h.trainer(callbacks=[GradientAccumulationCallback(**settings)], max_epochs=2)
+    trainer.fit(resumed, ckpt_path=path)
+    windows = cases.budget_windows(data, 2, "token_mean", 30, epochs=2)
+    assert trainer.global_step == len(windows)
+    assert cases.difference(resumed.net, cases.big_batch(data, windows, "token_mean")) < 1e-6
+
+
+def test_the_budget_windows_items_are_logged_and_the_steps_estimated() -> None:
+    data = cases.make_sequences(ROWS, packed=False)
+    recorder = h.MetricsRecorder()
+    module = cases.SequenceModule(data, "constant", 4)
+    callback = GradientAccumulationCallback(scaling="constant", items_per_step=24)  # rows, not tokens
+    trainer = h.trainer(callbacks=[callback], logger=recorder, log_every_n_steps=1, max_epochs=2)
+    trainer.fit(module)
+    windows = cases.row_windows(ROWS, 24) * 2  # 6 micro-batches of 4 rows reach 24; the epoch ends at 16
+    assert trainer.global_step == len(windows) == estimated_stepping_batches(trainer) == 4
+    logged = [value for _, value in recorder.series("grad_accum/items_last_step")]
+    assert logged == [24.0, 16.0, 24.0, 16.0]
+    assert cases.difference(module.net, cases.big_batch(data, windows, "constant")) < 1e-6

@@ -31,17 +31,23 @@ def scenarios() -> dict[str, tuple[str, bool, int, dict[str, Any]]]:
             for micro_batch in (1, 2, 8):
                 name = f"{normalization}-{'packed' if packed else 'padded'}-{micro_batch}"
                 found[name] = (normalization, packed, micro_batch, cases.settings(normalization))
+    for normalization in cases.NORMALIZATIONS:  # windows closed by an item budget, over 2 epochs
+        for packed in (False, True):
+            for micro_batch in (1, 4):
+                name = f"budget-{normalization}-{'packed' if packed else 'padded'}-{micro_batch}"
+                budget = cases.budget_settings(normalization, cases.BUDGETS[normalization])
+                found[name] = (normalization, packed, micro_batch, budget)
     found["constant-as-sum"] = ("constant", True, 2, {"scaling": "sum"})  # the negative control
     found["world_size-bug"] = ("token_mean", True, 2, cases.settings("token_mean"))
     return found
 
 
-def trainer(callback: pl.Callback) -> pl.Trainer:
+def trainer(callback: pl.Callback, epochs: int = 1) -> pl.Trainer:
     return pl.Trainer(
         strategy="ddp",
         accelerator="cpu",
         devices=2,
-        max_epochs=1,
+        max_epochs=epochs,
         logger=False,
         enable_progress_bar=False,
         enable_checkpointing=False,
@@ -56,10 +62,13 @@ def main(out: Path) -> None:
         data = cases.make_sequences(ROWS, packed=packed)
         bug = "world_size" if name == "world_size-bug" else None
         module = cases.SequenceModule(data, normalization, micro_batch, bug=bug)
-        fit = trainer(GradientAccumulationCallback(max(1, PER_RANK_WINDOW // micro_batch), **settings))
+        if "items_per_step" in settings:
+            fit = trainer(GradientAccumulationCallback(**settings), epochs=2)
+        else:
+            fit = trainer(GradientAccumulationCallback(max(1, PER_RANK_WINDOW // micro_batch), **settings))
         fit.fit(module)
         if fit.global_rank == 0:
-            torch.save(module.net.state_dict(), out / f"{name}.pt")
+            torch.save((module.net.state_dict(), fit.global_step), out / f"{name}.pt")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def trained_net(out: Path, name: str) -> torch.nn.Module:
     net = cases.net()
-    net.load_state_dict(torch.load(out / f"{name}.pt"))
+    net.load_state_dict(torch.load(out / f"{name}.pt")[0])
     return net
 
 
@@ -47,13 +47,28 @@ def expected(normalization: str, packed: bool) -> torch.nn.Module:
 
 
 CONTROLS = ("constant-as-sum", "world_size-bug")
-CORRECT = [name for name in run.scenarios() if name not in CONTROLS]
+CORRECT = [name for name in run.scenarios() if name not in CONTROLS and not name.startswith("budget")]
+BUDGET = [name for name in run.scenarios() if name.startswith("budget")]
 
 
 @pytest.mark.parametrize("name", CORRECT)
 def test_two_ranks_step_the_big_batch(trained: Path, name: str) -> None:
     normalization, packed, _, _ = run.scenarios()[name]
     assert cases.difference(trained_net(trained, name), expected(normalization, packed)) < 1e-6
+
+
+@pytest.mark.parametrize("name", BUDGET)
+def test_two_ranks_agree_on_every_budget_window_and_step_its_big_batch(trained: Path, name: str) -> None:
+    """Each window closes where the items of both ranks' micro-batches reach the budget (2 epochs)."""
+    normalization, packed, micro_batch, _ = run.scenarios()[name]
+    data = cases.make_sequences(run.ROWS, packed=packed)
+    budget = cases.BUDGETS[normalization]
+    windows = cases.budget_windows(data, 2 * micro_batch, normalization, budget, epochs=2)
+    state, steps = torch.load(trained / f"{name}.pt")
+    assert steps == len(windows)
+    net = cases.net()
+    net.load_state_dict(state)
+    assert cases.difference(net, cases.big_batch(data, windows, normalization)) < 1e-6
 
 
 def test_sum_halves_a_constant_normalised_loss_on_two_ranks(trained: Path) -> None:

@@ -248,17 +248,22 @@ class GradAccumulator(OptimizerStepping):
 
     @property
     def accumulation_steps(self) -> int:
-        """Micro-batches per window (K). It can change only between windows."""
+        """Micro-batches per window (K).
+
+        Inside a window it may change to more than the window holds (an item budget's window grows batch by
+        batch); to less, only between windows.
+        """
         return self._accumulation_steps
 
     @accumulation_steps.setter
     def accumulation_steps(self, value: int) -> None:
         check_positive_int("accumulation_steps", value)
-        if value != self._accumulation_steps and not self._window.empty:
+        recorded = self._window.micro_batches
+        if value != self._accumulation_steps and value <= recorded and not self._window.empty:
             raise RuntimeError(
                 f"Cannot change `accumulation_steps` from {self._accumulation_steps} to {value} inside an"
-                f" open window ({self._window.micro_batches} micro-batches recorded). Change it after"
-                " `finalize()`."
+                f" open window of {recorded} micro-batches: it would already be past its end. Change it"
+                " after `finalize()`, or to more than the micro-batches recorded."
             )
         self._accumulation_steps = value
 

@@ -8,8 +8,10 @@ ended inside it, or Lightning zeroes the gradients where it should go on).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import Tensor
 from typing_extensions import override
 
@@ -148,10 +150,13 @@ class WindowPart(FitPart):
         """The window this batch is in (a new one where Lightning zeroes), and the batch's item count."""
         fit, driver, trainer = self.fit, self.driver, self.fit.trainer
         fit.batch = current = Batch()
+        self._count(batch, batch_idx)
         empty = driver.window.empty
         if empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the window measures
             self.groups.follow(trainer, fit.pl_module, driver)  # the new set from its start
         self.plan.batch_start(trainer)  # a window opening here gets its K
+        if self.plan.closes_on_items:  # where this batch's items reach the budget, the window ends here
+            self.plan.take_items(trainer, self._items_over_ranks(current.items, current.error))
         lightning_zeroes = self.plan.lightning_zeroes(trainer, batch_idx)
         if not internals.backward_skipped(trainer):
             if not empty and lightning_zeroes:
@@ -161,6 +166,10 @@ class WindowPart(FitPart):
                 # A window opening where Lightning does not zero the gradients (the batch before was None
                 # from the dataloader, which skips every hook): it must not start from the last one's.
                 driver.reset(set_grads_to_none=True)
+
+    def _count(self, batch: Any, batch_idx: int) -> None:
+        """The batch's item count, kept in the running batch (a warning about it said once)."""
+        fit, current = self.fit, self.fit.batch
         weighted, once = self.settings.mode.weighted, fit.once
         # the labels of "weighted" without a counter are read once (a host read); a count's warning said once
         extract, check_labels = fit.api.extract_batch_size, weighted and "labels" not in once
@@ -172,6 +181,31 @@ class WindowPart(FitPart):
             once.add("counts")
             fit.warn(counted.warning)
 
+    def _items_over_ranks(self, items: Any, error: str | None) -> float:
+        """The running batch's items summed over the ranks: one scalar all-reduce (none on one process).
+
+        Every rank decides where an item budget's window ends from the same number. A count that is not a
+        number >= 0 (on any rank: it reaches every rank as a nan) raises on every rank together.
+        """
+        fit = self.fit
+        world = fit.trainer.world_size
+        unknown = items is None or error is not None
+        if world == 1 and not unknown and not isinstance(items, Tensor):
+            total = float(items)
+        else:
+            value = math.nan if unknown else items
+            summed = torch.as_tensor(value, dtype=torch.float64).reshape(()).to(fit.pl_module.device)
+            if world > 1:
+                torch.distributed.all_reduce(summed)
+            total = float(summed)
+        if not (math.isfinite(total) and total >= 0):
+            raise ValueError(
+                f"`items_per_step` closes each window on its items, but a micro-batch's item count over the"
+                f" ranks is {total} ({error or 'a count that is not a finite number >= 0, on some rank'})."
+                " Count every batch with `item_count_fn` (batch -> number of items)."
+            )
+        return total
+
     @override
     def before_backward(self, loss: Tensor) -> None:
         """Begin the micro-batch: ``loss`` is weighed in place (the core divides K and the AMP scale out).
@@ -179,6 +213,10 @@ class WindowPart(FitPart):
         ``loss`` is the tensor Lightning back-propagates: its L / K, times the AMP scale under 16-mixed.
         """
         current, trainer = self.fit.batch, self.fit.trainer
+        if self.plan.closes_on_items:  # Lightning divided it by this batch's own K: back to the window's
+            correction = self.plan.loss_correction(trainer)
+            if correction != 1.0:
+                loss.mul_(correction)
         # whether this backward ends the window, asked only where it matters (a private Lightning call)
         current.last = last = self.asks_last and not internals.should_accumulate(trainer)
         if current.in_pieces:  # the pieces weigh themselves through their handle
