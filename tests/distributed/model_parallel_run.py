@@ -61,6 +61,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "max_grad_norm": 0.05,
     },
     "window_end_pieces": {"sharded_reduction": "window_end", "piece_size": 1},
+    # each window closed where its items over both ranks reach 17 (micro-batches of 6-10 items), clipped
+    "weighted_budget": {
+        "accumulation_steps": None,
+        "items_per_step": 17,
+        "scaling": "weighted",
+        "item_count_fn": lambda batch: sample_weights(batch[0]).sum(),
+        "max_grad_norm": 0.05,
+    },
 }
 NAN_BATCH = {
     "nan_on_one_rank": 1,

@@ -134,6 +134,27 @@ def test_a_step_keyed_schedule_under_sharding_equals_the_big_batch_of_each_windo
     assert counts[0] == 4 and global_step == 4
 
 
+def test_an_item_budget_under_sharding_closes_each_window_as_its_big_batch(trained: Path) -> None:
+    """Windows close where the items of both ranks' micro-batches reach 17; each epoch's end closes one."""
+    full, counts, global_step, _ = torch.load(trained / "weighted_budget.pt")
+    per_rank = [torch.load(trained / f"weighted_budget-seen-{rank}.pt") for rank in range(2)]
+    per_epoch = len(per_rank[0]) // 2
+    windows: list[list[int]] = []
+    for epoch in range(2):
+        window: list[int] = []
+        for b in range(epoch * per_epoch, (epoch + 1) * per_epoch):
+            window += [i for seen in per_rank for i in seen[b]]
+            if float(run.sample_weights(torch.tensor(window)).sum()) >= 17:
+                windows.append(window)
+                window = []
+        if window:
+            windows.append(window)
+    assert len({len(w) for w in windows}) > 1  # the data decides where windows end
+    expected = _reference(windows, run.SCENARIOS["weighted_budget"])
+    assert max(float((full[n] - expected[n]).abs().max()) for n in expected) < 1e-6
+    assert counts[0] == global_step == len(windows)
+
+
 def test_a_non_finite_micro_batch_on_one_rank_skips_on_both(trained: Path) -> None:
     full, counts, _, _ = torch.load(trained / "nan_on_one_rank.pt")
     windows = _windows(trained, "nan_on_one_rank")
