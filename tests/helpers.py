@@ -381,7 +381,8 @@ def big_batch_reference(
 
     The loss of the big batch is the loss of all its items at once (for token data: the mean over every
     real token of the window); ``sum_of_means`` multiplies it by the number of micro-batches (the "sum"
-    contract with equal micro-batches), and ``ranks_summed`` by the ranks too (``"constant"``). ``prepare(reference, window_index)`` runs before each window (e.g. to
+    contract with equal micro-batches), and ``ranks_summed`` by the ranks too (``"constant"``).
+    ``prepare(reference, window_index)`` runs before each window (e.g. to
     freeze or unfreeze layers); only parameters with ``requires_grad`` then take part, as in the optimizer.
     ``fp16_autocast`` runs the forward under CPU fp16 autocast, as ``precision="16-mixed"`` does, so that
     16-mixed runs compare against the same arithmetic (the loss scale, a power of two, changes nothing).

@@ -111,7 +111,13 @@ def test_deepspeed(tmp_path: Path) -> None:
         data = h.regression_data(20)
         windows = h.windows(5, K, epochs=2)
         reference = h.big_batch_reference(
-            h.regression_net(), data, 4, windows, h.mse, sum_of_means=mode in ("sum", "constant"), max_grad_norm=0.5
+            h.regression_net(),
+            data,
+            4,
+            windows,
+            h.mse,
+            sum_of_means=mode in ("sum", "constant"),
+            max_grad_norm=0.5,
         )
         state = result["state"]
         difference = max((state[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())

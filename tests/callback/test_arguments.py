@@ -43,7 +43,7 @@ from lightning_gradacc import GradientAccumulationCallback
             "`item_count_fn` is only used with `scaling='weighted'`, `piece_size` or `items_per_step`",
         ),
         ({"items_per_step": 0}, ValueError, "`items_per_step` to be a whole number > 0 .* but got 0"),
-        ({"items_per_step": "lots"}, ValueError, "`items_per_step` to be a whole number > 0 .* but got 'lots'"),
+        ({"items_per_step": "lots"}, ValueError, "`items_per_step` to be a whole number > 0 .* got 'lots'"),
         (
             {"items_per_step": 64, "target_batch_size": 8},
             ValueError,
