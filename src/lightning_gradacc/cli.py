@@ -7,6 +7,7 @@ Usage::
     lightning-gradacc fit --config quickstart --trainer.max_epochs=2 \\
         --trainer.callbacks.init_args.accumulation_steps=8
     lightning-gradacc fit --model my_project.MyModule --trainer.accumulate_grad_batches 4
+    lightning-gradacc check --config token_lm --batches 4 --ranks 2   # is the step invariant?
 
 The namespace (``pytorch_lightning`` or ``lightning.pytorch``) follows the classes given: a model, data
 module, logger or callback named by its import path decides it; ``--namespace`` chooses it when only short
@@ -20,6 +21,7 @@ as the callback of the chosen namespace, with the same arguments. The command al
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import re
 import sys
@@ -408,11 +410,70 @@ def build_cli(args: list[str] | None = None, *, run: bool = True) -> Any:
     )
 
 
+CHECK_OPTIONS = {"--batches": (int, 4), "--ranks": (int, 2), "--tolerance": (float, 1e-4)}
+
+
+def _check_options(args: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """``check``'s own options (``--batches 4`` or ``--batches=4``), and the rest for LightningCLI."""
+    chosen = {name: default for name, (_, default) in CHECK_OPTIONS.items()}
+    rest: list[str] = []
+    index = 0
+    while index < len(args):
+        name, _, value = args[index].partition("=")
+        if name in CHECK_OPTIONS:
+            if not value:
+                if index + 1 >= len(args):
+                    raise SystemExit(f"lightning-gradacc check: {name} needs a value")
+                index += 1
+                value = args[index]
+            kind = CHECK_OPTIONS[name][0]
+            try:
+                chosen[name] = kind(value)
+            except ValueError:
+                raise SystemExit(
+                    f"lightning-gradacc check: {name} expects {kind.__name__}, got {value!r}"
+                ) from None
+        else:
+            rest.append(args[index])
+        index += 1
+    return chosen, rest
+
+
+def run_check(args: list[str]) -> int:
+    """``lightning-gradacc check [--batches N] [--ranks R] [--tolerance T] <fit's config and options>``.
+
+    Builds the experiment as ``fit`` would (model, data, the callback's settings) without training, takes
+    the first ``N`` batches of its train loader, and runs :func:`~lightning_gradacc.step_check.check_step`:
+    prints the report; exit status 0 where the step is invariant, 1 where it is not.
+    """
+    from .step_check import check_step
+
+    options, rest = _check_options(args)
+    cli = build_cli(rest, run=False)
+    callback = next(c for c in cli.trainer.callbacks if isinstance(c, GradientAccumulationLogic))
+    settings = {"scaling": callback.settings.scaling, "item_count_fn": callback.item_count_fn}
+    data = cli.datamodule
+    if data is not None:
+        data.prepare_data()
+        data.setup("fit")
+        loader = data.train_dataloader()
+    else:
+        loader = cli.model.train_dataloader()
+    batches = list(itertools.islice(iter(loader), options["--batches"]))
+    result = check_step(
+        cli.model, batches, settings, ranks=options["--ranks"], tolerance=options["--tolerance"]
+    )
+    print(result.report())
+    return 0 if result.invariant else 1
+
+
 def main() -> None:
     """Entry point of ``lightning-gradacc`` and ``python -m lightning_gradacc``."""
     # The arguments are the command line's, less `--namespace`: LightningCLI's warning about `args` is moot.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
     _import_from_the_working_directory()
+    if sys.argv[1:2] == ["check"]:
+        raise SystemExit(run_check(sys.argv[2:]))
     build_cli()
     _leave_the_process_group()
 
@@ -454,4 +515,5 @@ __all__ = [
     "main",
     "packaged_configs",
     "resolve_config_names",
+    "run_check",
 ]

@@ -274,6 +274,8 @@ def _labels(batch: Any, counter: str) -> Tensor:
         labels = batch
     if not isinstance(labels, Tensor):
         raise TypeError(f"`{counter}` expects the labels to be a tensor, got {type(labels).__name__}.")
+    if labels.is_floating_point() or labels.is_complex():  # regression targets: no token to count
+        raise TypeError(f"`{counter}` expects integer labels (token ids), got {labels.dtype}.")
     return labels
 
 

@@ -1,0 +1,99 @@
+"""The check of a user's step flags the three bug shapes users wrote, and passes a step keeping its contract.
+
+Each step is ``tests/normalization_cases.py``'s module on packed sequences (4 batches of 2 rows): the same
+steps that miss the plain-PyTorch big batch through ``Trainer.fit`` in ``test_normalizations.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from torch.utils.data import DataLoader
+
+from lightning_gradacc.step_check import StepCheck, check_step
+from tests import normalization_cases as cases
+from tests.helpers import ROOT
+
+
+def check(normalization: str, bug: str | None, settings: dict[str, Any], ranks: int) -> StepCheck:
+    data = cases.make_sequences(8, packed=True)
+    batches = list(DataLoader(cases.Rows(data), batch_size=2))
+    return check_step(cases.SequenceModule(data, normalization, 2, bug=bug), batches, settings, ranks=ranks)
+
+
+def by_name(result: StepCheck) -> dict[str, Any]:
+    return {entry.name: entry for entry in result.others}
+
+
+@pytest.mark.slow
+def test_a_step_that_keeps_its_contract_passes_on_items_and_ranks() -> None:
+    result = check("token_mean", None, cases.settings("token_mean"), ranks=2)
+    assert result.invariant
+    assert max(result.yours.differences.values()) < 1e-6
+    assert [s.name for s in result.suggestions] == ["token mean"]
+    assert "invariant" in result.diagnosis()
+
+
+@pytest.mark.slow
+def test_a_loss_times_the_world_size_beside_a_local_count_is_flagged_by_the_ranks() -> None:
+    result = check("token_mean", "world_size", cases.settings("token_mean"), ranks=2)
+    assert not result.invariant and not result.suggestions
+    assert result.yours.differences["items"] < 1e-6  # one rank cannot see it
+    assert result.yours.differences["ranks"] == pytest.approx(1.0, abs=1e-5)  # twice the gradient
+    assert "depends on the number of ranks" in result.diagnosis()
+
+
+def test_an_auxiliary_term_normalized_per_micro_batch_is_flagged() -> None:
+    result = check("constant", "aux_per_micro_batch", cases.settings("constant"), ranks=1)
+    assert not result.invariant and not result.suggestions
+    assert result.yours.differences["items"] > 1e-2
+    assert "normalized per micro-batch" in result.diagnosis()
+
+
+def test_a_mean_of_sequence_means_weighted_by_tokens_is_flagged_and_sequence_mean_suggested() -> None:
+    result = check("sequence_mean", None, cases.settings("token_mean"), ranks=1)
+    assert not result.invariant
+    assert result.yours.differences["items"] > 1e-2
+    assert [s.name for s in result.suggestions] == ["sequence mean"]
+    assert by_name(result)["sequence mean"].differences["items"] < 1e-6
+    assert "sequence mean (scaling='weighted', item_count_fn=count_sequences)" in result.report()
+
+
+def needs_a_mask(batch: Any) -> Any:
+    return batch["mask"].sum()  # these batches are tuples: it raises
+
+
+def test_a_counter_that_does_not_fit_the_batches_is_reported_not_raised() -> None:
+    from tests import helpers as h
+
+    x, y = h.regression_data(5).tensors
+    batches = [(x[:2], y[:2]), (x[2:], y[2:])]
+    module = h.RegressionModule(h.regression_data(5))
+    result = check_step(module, batches, {"scaling": "weighted", "item_count_fn": needs_a_mask}, ranks=1)
+    assert not result.invariant
+    assert result.yours.error is not None and "TypeError" in result.yours.error
+    assert "| n/a |" in result.report()
+    assert [s.name for s in result.suggestions] == ["sample mean"]  # the mean squared error of samples
+
+
+def test_bad_arguments_are_refused_before_any_fit() -> None:
+    with pytest.raises(ValueError, match="a positive multiple of `ranks=2`, but got 3"):
+        check_step(None, [1, 2, 3], {}, ranks=2)
+
+
+@pytest.mark.slow
+def test_the_command_exits_non_zero_where_the_step_is_not_invariant(tmp_path: Any) -> None:
+    """``lightning-gradacc check`` passes the shipped token config; counting shifted labels, it does not."""
+    base = [sys.executable, "-m", "lightning_gradacc", "check", "--config", "token_lm", "--ranks", "1"]
+    ok = subprocess.run(base, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "The step is invariant" in ok.stdout
+    shifted = "--trainer.callbacks.init_args.item_count_fn=lightning_gradacc.counters.count_predicted_tokens"
+    mean = [*base, shifted, "--batches=3"]
+    bad = subprocess.run(mean, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert bad.returncode == 1, bad.stderr[-2000:]
+    assert "token mean (scaling='weighted', item_count_fn=count_tokens)" in bad.stdout
+    assert ROOT.exists()
