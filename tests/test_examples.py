@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import runpy
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,3 +36,35 @@ def test_fp32_buffers_keep_bf16_accumulation_at_the_rounding_floor() -> None:
     buffered = relative_error(1024, "float32")
     assert buffered <= 0.005
     assert buffered * 10 <= plain
+
+
+RL = Path(__file__).resolve().parents[1] / "examples" / "rl_policy_gradient.py"
+
+
+def test_rl_example_steps_each_normalization_as_its_big_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    """Budget windows of varying size, each normalization exact, each step checked invariant (one rank)."""
+    assert runpy.run_path(str(RL))["main"](["--ranks", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"\| (token mean|sequence mean|constant) \|", line)]
+    assert len(rows) == 3
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        low, high = (int(n) for n in cells[2].split("-"))
+        assert low < high  # the data decides how many tokens a step holds
+        assert float(cells[4]) < 1e-6
+    assert out.count(": invariant") == 3
+
+
+@pytest.mark.slow
+def test_rl_example_config_is_checked_by_the_command() -> None:
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "lightning_gradacc", "check", "--config", "rl_policy_gradient.yaml"]
+    options: dict[str, Any] = {"capture_output": True, "text": True, "cwd": RL.parent, "timeout": 300}
+    ok = subprocess.run([*command, "--ranks", "1"], **options)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    wrong = "--model.init_args.normalization=sequence mean"  # a sequence mean weighted by tokens
+    bad = subprocess.run([*command, "--ranks", "1", wrong], **options)
+    assert bad.returncode == 1, bad.stderr[-2000:]
+    assert "Your loss keeps the contract of: sequence mean" in bad.stdout

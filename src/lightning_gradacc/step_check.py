@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from .batch_pieces import split_batch
+from .core.settings import check_scaling
 from .namespaces import PYTORCH_LIGHTNING, namespace, namespace_of
 
 # the settings of the callback that decide the normalization; the others (clipping, overflow) are left out
@@ -393,7 +394,7 @@ def check_step(
         batches: The window's batches, as your loader gives them (e.g. the first few of your datamodule's
             train loader); a multiple of ``ranks`` of them.
         settings: The callback's ``scaling`` and ``item_count_fn`` (others are ignored: clipping and overflow
-            do not normalize).
+            do not normalize; ``item_count_fn`` only weighs under ``"weighted"``).
         ranks: DDP processes of the ``"ranks"`` cut (gloo, CPU; 1: not run). The module and the batches are
             pickled to them, so the module's class must be importable (not defined in ``__main__``).
         tolerance: The relative difference within which two gradients are the same.
@@ -406,6 +407,8 @@ def check_step(
         ValueError: No batches, or a number of them that ``ranks`` does not divide.
     """
     settings = {k: v for k, v in (settings or {}).items() if k in NORMALIZING}
+    if check_scaling(settings.get("scaling", "mean")) != "weighted":  # it counts for a budget or pieces only
+        settings.pop("item_count_fn", None)
     if not batches or len(batches) % ranks:
         raise ValueError(
             f"Expected a number of batches that is a positive multiple of `ranks={ranks}`, but got"
