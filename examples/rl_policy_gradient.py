@@ -89,14 +89,23 @@ def token_losses(net: nn.Module, inputs: Tensor, labels: Tensor, advantages: Ten
 class PolicyModule(pl.LightningModule):
     """REINFORCE with given advantages; ``normalization`` says how the token losses are averaged."""
 
-    def __init__(self, normalization: str = "token mean", micro_batch: int = 3, lr: float = 0.5) -> None:
+    def __init__(
+        self, normalization: str = "token mean", micro_batch: int = 3, lr: float = 0.5, bug: str | None = None
+    ) -> None:
         super().__init__()
         self.net = policy()
-        self.normalization, self.micro_batch, self.lr = normalization, micro_batch, lr
+        self.normalization, self.micro_batch, self.lr, self.bug = normalization, micro_batch, lr, bug
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         labels = batch["labels"]
         each = token_losses(self.net, batch["input_ids"], labels, batch["advantages"])
+        if self.bug == "entropy bonus per micro-batch":  # a mean over this micro-batch's tokens, added as is
+            logprobs = self.net(batch["input_ids"]).log_softmax(-1)
+            entropy = -(logprobs.exp() * logprobs).sum(-1)
+            bonus = 0.01 * losses.token_mean(entropy, labels)
+            return losses.constant_normalized(each, labels, CONSTANT) - bonus
+        if self.bug == "loss times the world size":  # to undo DDP's average, beside a local token count
+            return losses.token_mean(each, labels) * self.trainer.world_size
         if self.normalization == "token mean":
             return losses.token_mean(each, labels)
         if self.normalization == "sequence mean":
@@ -193,6 +202,22 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "invariant" if result.invariant else "NOT invariant"
         print(f"check of the {name} step: {verdict} ({worst:.1e})")
         failed |= not result.invariant
+    print()
+    # the three bug shapes as users wrote them (verl #7225, NeMo Automodel #3846, tunix #1662), their settings
+    bugs = {
+        "entropy bonus per micro-batch": ("constant", NORMALIZATIONS["constant"]),
+        "loss times the world size": ("token mean", NORMALIZATIONS["token mean"]),
+        "sequence means weighted by tokens": ("sequence mean", NORMALIZATIONS["token mean"]),
+    }
+    for bug, (normalization, settings) in bugs.items():
+        batches = list(DataLoader(Completions(16), batch_size=4))
+        module = PolicyModule(normalization, bug=None if bug.startswith("sequence") else bug)
+        result = check_step(module, batches, settings, ranks=options.ranks)
+        cuts = ", ".join(f"{cut} {value:.1e}" for cut, value in result.yours.differences.items())
+        suggested = ", ".join(s.name for s in result.suggestions) or "none"
+        verdict = "flagged" if not result.invariant else "not flagged"
+        print(f"check of a step with {bug}: {verdict} ({cuts}); invariant with: {suggested}")
+        failed |= result.invariant and (options.ranks > 1 or "world" not in bug)
     return 1 if failed else 0
 
 

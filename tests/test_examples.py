@@ -53,6 +53,11 @@ def test_rl_example_steps_each_normalization_as_its_big_batch(capsys: pytest.Cap
         assert low < high  # the data decides how many tokens a step holds
         assert float(cells[4]) < 1e-6
     assert out.count(": invariant") == 3
+    flagged = [line for line in out.splitlines() if line.startswith("check of a step with")]
+    assert len(flagged) == 3  # the world-size bug needs two ranks: on one it is not visible (not asserted)
+    assert ": flagged" in flagged[0] and "invariant with: none" in flagged[0]
+    assert ": flagged" in flagged[2]
+    assert "invariant with: sequence mean" in flagged[2]
 
 
 @pytest.mark.slow
