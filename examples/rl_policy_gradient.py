@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")  # Lightning's own use of torch's pytree
     data, failed = Completions(), False
-    print("| normalization | steps | tokens per step | completions per step | max |param - big batch| |")
+    print("| normalization | steps | tokens per step | completions per step | off the big batch |")
     print("|---|---|---|---|---|")
     for name, settings in NORMALIZATIONS.items():
         module = PolicyModule(name)

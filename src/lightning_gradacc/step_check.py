@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from .batch_pieces import split_batch
+from .core.scaling import SCALING_MODES
 from .core.settings import check_scaling
 from .namespaces import PYTORCH_LIGHTNING, namespace, namespace_of
 
@@ -407,7 +408,7 @@ def check_step(
         ValueError: No batches, or a number of them that ``ranks`` does not divide.
     """
     settings = {k: v for k, v in (settings or {}).items() if k in NORMALIZING}
-    if check_scaling(settings.get("scaling", "mean")) != "weighted":  # it counts for a budget or pieces only
+    if not SCALING_MODES[check_scaling(settings.get("scaling", "mean"))].weighted:  # it counts for budgets
         settings.pop("item_count_fn", None)
     if not batches or len(batches) % ranks:
         raise ValueError(

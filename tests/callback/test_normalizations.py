@@ -112,4 +112,8 @@ def test_the_budget_windows_items_are_logged_and_the_steps_estimated() -> None:
     assert trainer.global_step == len(windows) == estimated_stepping_batches(trainer) == 4
     logged = [value for _, value in recorder.series("grad_accum/items_last_step")]
     assert logged == [24.0, 16.0, 24.0, 16.0]
+    micro_batches = [value for _, value in recorder.series("grad_accum/micro_batches_last_step")]
+    assert micro_batches == [6.0, 4.0, 6.0, 4.0]  # micro-batches of 4 rows
+    full = [value for _, value in recorder.series("grad_accum/items_last_full_step")]
+    assert full == [24.0] * 4  # an epoch's end does not fill a window
     assert cases.difference(module.net, cases.big_batch(data, windows, "constant")) < 1e-6

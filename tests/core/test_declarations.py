@@ -84,7 +84,7 @@ def test_the_format_version_is_written_and_read_in_one_module() -> None:
     assert len(written) == 1 and written[0].startswith("checkpoint.py"), written  # `stamp`
 
 
-@pytest.mark.parametrize("mode", ["mean", "sum", "weighted", "average", "dynamic"])
+@pytest.mark.parametrize("mode", ["mean", "sum", "weighted", "constant", "average", "dynamic"])
 def test_no_scaling_mode_name_is_compared_outside_its_declaration(mode: str) -> None:
     found = []
     for path in _sources():
@@ -180,6 +180,7 @@ def test_every_unmet_need_is_refused_naming_the_setting_and_the_strategy() -> No
         GradientAccumulationCallback(2, clip_value=0.1),
         GradientAccumulationCallback(2, overflow="raise"),
         GradientAccumulationCallback(2, lr_scaling="sqrt"),
+        GradientAccumulationCallback(items_per_step=64),
         GradientAccumulationCallback(2, sharded_reduction="window_end"),
     ]
     for need, callback in zip(NEEDS, configured, strict=True):
