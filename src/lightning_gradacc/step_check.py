@@ -63,6 +63,7 @@ from torch import Tensor
 from .batch_pieces import split_batch
 from .core.scaling import SCALING_MODES
 from .core.settings import check_scaling
+from .core.torch_internals import leave_the_group_and_exit
 from .namespaces import PYTORCH_LIGHTNING, namespace, namespace_of
 
 # the settings of the callback that decide the normalization; the others (clipping, overflow) are left out
@@ -358,12 +359,7 @@ def _rank_worker(
             gradients.append({"error": repr(error)})
     if rank == 0:
         torch.save(gradients, out)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():  # no rank leaves while another still talks to it
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)  # a gloo worker thread must not meet a finalizing interpreter (see `cli._leave...`)
+    leave_the_group_and_exit()  # a gloo worker thread must not meet a finalizing interpreter
 
 
 def _on_ranks(

@@ -238,12 +238,18 @@ def test_ignore_policy_does_not_sync_at_the_boundary() -> None:
 # ----------------------------------------------------------------------------------------------- windows
 
 
-def test_k_cannot_change_inside_a_window() -> None:
+def test_k_inside_a_window_may_only_stay_beyond_what_the_window_holds() -> None:
+    """An item budget's window grows batch by batch; a K the window is already past is refused."""
     param = torch.zeros(1, requires_grad=True)
     accumulator = GradAccumulator([param], 4)
     accumulator.record()
-    with pytest.raises(RuntimeError, match="inside an open window"):
+    accumulator.record()
+    with pytest.raises(RuntimeError, match="inside an open window of 2 micro-batches"):
         accumulator.accumulation_steps = 2
+    accumulator.accumulation_steps = 3  # the window's next micro-batch fills it
+    assert not accumulator.window_full
+    accumulator.record()
+    assert accumulator.window_full
     accumulator.reset()
     accumulator.accumulation_steps = 2
     assert accumulator.stats.accumulation_steps == 2

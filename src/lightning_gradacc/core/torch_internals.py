@@ -444,3 +444,24 @@ def compiled_with_cuda_graphs(module: torch.nn.Module) -> str | None:
         if found is not None:
             return f"`{where}` ({found})"
     return None
+
+
+def leave_the_group_and_exit() -> None:
+    """End a process of a gloo group once its work is done: every rank meets, then exit without teardown.
+
+    A gloo worker thread can still need the GIL after its collective completed, to drop a Python object (the
+    autograd context a backward's reduction carries); if the interpreter is finalizing by then, CPython ends
+    that thread inside a C++ destructor and the process aborts (SIGABRT) after its work is done. After the
+    barrier no rank still talks to another; ``os._exit`` skips the teardown such a thread would meet.
+    """
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
