@@ -461,7 +461,12 @@ def run_check(args: list[str]) -> int:
         loader = cli.model.train_dataloader()
     batches = list(itertools.islice(iter(loader), options["--batches"]))
     result = check_step(
-        cli.model, batches, settings, ranks=options["--ranks"], tolerance=options["--tolerance"]
+        cli.model,
+        batches,
+        settings,
+        ranks=options["--ranks"],
+        tolerance=options["--tolerance"],
+        split_fn=callback.split_fn,
     )
     print(result.report())
     return 0 if result.invariant else 1

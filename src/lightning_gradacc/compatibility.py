@@ -200,10 +200,10 @@ def check_driven_precision(trainer: pl.Trainer, keyed_by_count: bool) -> None:
     """
     if keyed_by_count and str(trainer.precision) == "16-true":
         raise RuntimeError(
-            "A schedule keyed by steps or items (`schedule_unit`) cannot be exact under"
-            " `precision='16-true'`: Lightning divides each fp16 loss by a per-window K of up to the batches"
-            " of an epoch, which can underflow fp16. Use `precision='16-mixed'` or `'bf16-true'`, or"
-            " `schedule_unit='epochs'`."
+            "A K chosen window by window (a schedule keyed by steps or items, `items_per_step`, 'auto')"
+            " cannot be exact under `precision='16-true'`: Lightning divides each fp16 loss by a per-window"
+            " K of up to the batches of an epoch, which can underflow fp16. Use `precision='16-mixed'` or"
+            " `'bf16-true'`, or a K per epoch."
         )
 
 

@@ -274,8 +274,6 @@ def _labels(batch: Any, counter: str) -> Tensor:
         labels = batch
     if not isinstance(labels, Tensor):
         raise TypeError(f"`{counter}` expects the labels to be a tensor, got {type(labels).__name__}.")
-    if labels.is_floating_point() or labels.is_complex():  # regression targets: no token to count
-        raise TypeError(f"`{counter}` expects integer labels (token ids), got {labels.dtype}.")
     return labels
 
 
@@ -418,6 +416,8 @@ class SequenceCounter:
     def __call__(self, batch: Any) -> Tensor:
         """The sequences of ``batch`` with a label (labels found as :func:`count_tokens` finds them)."""
         labels = _labels(batch, "count_sequences")
+        if labels.is_floating_point() or labels.is_complex():  # regression targets: no sequence of tokens
+            raise TypeError(f"`count_sequences` expects integer labels (token ids), got {labels.dtype}.")
         position_ids = segment_ids = None
         if isinstance(batch, Mapping):
             position_ids, segment_ids = batch.get("position_ids"), batch.get("segment_ids")

@@ -437,7 +437,7 @@ class PieceRunner:
         if len(pieces) > 1 and not self._mixing_checked:
             self._mixing_checked = True
             self._warn_of_mixing()
-        if len(pieces) > 1:
+        if len(pieces) > 1 and not self._additive:  # an additive loss may hold terms no item counts
             kept = [p for p in pieces if not (isinstance(s := self._share(p, run), float) and s == 0.0)]
             run.pieces = kept or pieces[:1]  # a batch without items runs as one piece, as it would whole
 

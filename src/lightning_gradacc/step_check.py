@@ -53,14 +53,14 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .batch_pieces import split_batch
+from .batch_pieces import SplitFn, pieces_of
 from .core.scaling import SCALING_MODES
 from .core.settings import check_scaling
 from .core.torch_internals import leave_the_group_and_exit
@@ -134,18 +134,22 @@ class Normalization:
     Attributes:
         name: ``"your settings"``, or a name of :data:`NORMALIZATIONS`.
         settings: The callback's settings it ran with, described.
-        differences: By cut (``"items"``, ``"ranks"``): the relative difference (``nan``: it failed).
-        error: Why it could not run (e.g. its counter found no labels), else ``None``.
+        differences: By cut (``"items"``, ``"ranks"``): the relative difference, for the cuts that ran.
+        error: Why it could not run at all (e.g. its counter found no labels), else ``None``.
+        cut_errors: By cut: why that cut could not run (a batch the splitter cannot cut, a module that
+            cannot be pickled to the ranks, a rank that failed).
     """
 
     name: str
     settings: str
     differences: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    cut_errors: dict[str, str] = field(default_factory=dict)
 
     def invariant(self, tolerance: float) -> bool:
-        """Whether every cut is within ``tolerance`` of the micro-batches."""
-        return self.error is None and all(d <= tolerance for d in self.differences.values())
+        """Whether every cut ran and is within ``tolerance`` of the micro-batches."""
+        within = all(d <= tolerance for d in self.differences.values())
+        return self.error is None and not self.cut_errors and within
 
 
 @dataclass(frozen=True)
@@ -181,10 +185,17 @@ class StepCheck:
         if self.invariant:
             return "The step is invariant: each window is one big batch, however it is cut."
         runnable = [n for n in (self.yours, *self.others) if n.error is None]
+        failed = {cut: e for n in runnable for cut, e in n.cut_errors.items()}
+        if not runnable:
+            return f"The check could not run the step: {self.yours.error}."
+        if "items" in failed:
+            return f"The check could not compute the window cut into items: {failed['items']}."
         if self.suggestions:
             names = ", ".join(f"{s.name} ({s.settings})" for s in self.suggestions)
             return f"Your loss keeps the contract of: {names}. Use those settings."
         items_agree = [n for n in runnable if n.differences.get("items", math.nan) <= self.tolerance]
+        if "ranks" in failed and items_agree:
+            return f"The window over {self.ranks} ranks could not be computed: {failed['ranks']}."
         if self.ranks > 1 and items_agree:
             return (
                 "No normalization makes it invariant, yet cutting into items changes nothing: the loss"
@@ -219,7 +230,14 @@ class StepCheck:
             if entry.error is not None:
                 lines.append(f"| {entry.name} ({entry.settings}) | {entry.error} | | n/a |")
                 continue
-            values = [f"{entry.differences[c]:.1e}" if c in entry.differences else "-" for c in cuts]
+            values = [
+                f"{entry.differences[c]:.1e}"
+                if c in entry.differences
+                else "failed"
+                if c in entry.cut_errors
+                else "-"
+                for c in cuts
+            ]
             verdict = "yes" if entry.invariant(self.tolerance) else "no"
             lines.append(f"| {entry.name} ({entry.settings}) | " + " | ".join(values) + f" | {verdict} |")
         return "\n".join([*lines, "", self.diagnosis()])
@@ -322,13 +340,9 @@ def _quiet(package: str) -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _cuts_on_one_rank(
-    module: Any, batches: Sequence[Any], settings: dict[str, Any], train_mode: bool
-) -> tuple[dict[str, Tensor], float]:
-    reference = _window_gradient(module, batches, settings, ranks=1, train_mode=train_mode)
-    items = [piece for batch in batches for piece in split_batch(batch, 1)]
-    one_item_each = _window_gradient(module, items, settings, ranks=1, train_mode=train_mode)
-    return reference, relative_difference(one_item_each, reference)
+def _one_item_each(batches: Sequence[Any], split_fn: SplitFn | None) -> list[Any]:
+    """Every batch cut into pieces of one item (the package's splitter, or ``split_fn``)."""
+    return [piece for batch in batches for piece in pieces_of(batch, 1, split_fn)]
 
 
 def _free_port() -> int:
@@ -356,7 +370,7 @@ def _rank_worker(
         try:
             gradients.append(_window_gradient(module, batches, settings, ranks=ranks, train_mode=train_mode))
         except Exception as error:  # e.g. a counter that finds no labels: the one-rank cuts say why
-            gradients.append({"error": repr(error)})
+            gradients.append({"error": _message(error)})
     if rank == 0:
         torch.save(gradients, out)
     leave_the_group_and_exit()  # a gloo worker thread must not meet a finalizing interpreter
@@ -383,6 +397,7 @@ def check_step(
     ranks: int = 2,
     tolerance: float = TOLERANCE,
     train_mode: bool = False,
+    split_fn: SplitFn | None = None,
 ) -> StepCheck:
     """Compute one window's gradient cut in different ways, for your settings and each normalization.
 
@@ -392,10 +407,12 @@ def check_step(
             train loader); a multiple of ``ranks`` of them.
         settings: The callback's ``scaling`` and ``item_count_fn`` (others are ignored: clipping and overflow
             do not normalize; ``item_count_fn`` only weighs under ``"weighted"``).
-        ranks: DDP processes of the ``"ranks"`` cut (gloo, CPU; 1: not run). The module and the batches are
-            pickled to them, so the module's class must be importable (not defined in ``__main__``).
+        ranks: DDP processes of the ``"ranks"`` cut (gloo, CPU; 1: not run). The module, the batches and
+            ``item_count_fn`` are pickled to them, so they must be importable (not defined in ``__main__``
+            outside its guard, not a lambda); where they are not, that cut is reported as failed.
         tolerance: The relative difference within which two gradients are the same.
         train_mode: Run in train mode (dropout and batch statistics then differ between cuts by themselves).
+        split_fn: The callback's ``split_fn`` for a batch the package's splitter cannot cut into items.
 
     Returns:
         The differences, whether your settings are invariant, and which normalizations are.
@@ -413,29 +430,50 @@ def check_step(
         )
     candidates = [settings] + [normalization_settings(name) for name in NORMALIZATIONS]
     names = ["your settings", *NORMALIZATIONS]
+    try:
+        items: list[Any] | None = _one_item_each(batches, split_fn)
+        split_error = None
+    except Exception as error:  # a batch the splitter cannot cut: that cut alone is missing
+        items, split_error = None, _message(error)
     results: list[Normalization] = []
     references: list[dict[str, Tensor] | None] = []
     for name, candidate in zip(names, candidates, strict=True):
+        described = describe(candidate)
         try:
-            reference, items = _cuts_on_one_rank(module, batches, candidate, train_mode)
+            reference = _window_gradient(module, batches, candidate, ranks=1, train_mode=train_mode)
+            one_each = None
+            if items is not None:
+                one_each = _window_gradient(module, items, candidate, ranks=1, train_mode=train_mode)
         except Exception as error:  # the counter does not fit these batches (no labels, ...)
-            results.append(Normalization(name, describe(candidate), error=f"{type(error).__name__}: {error}"))
+            results.append(Normalization(name, described, error=_message(error)))
             references.append(None)
             continue
-        results.append(Normalization(name, describe(candidate), {"items": items}))
+        if one_each is None:
+            results.append(Normalization(name, described, cut_errors={"items": str(split_error)}))
+        else:
+            difference = relative_difference(one_each, reference)
+            results.append(Normalization(name, described, {"items": difference}))
         references.append(reference)
     if ranks > 1:
         runnable = [i for i, r in enumerate(references) if r is not None]
-        gradients = _on_ranks(module, batches, [candidates[i] for i in runnable], ranks, train_mode)
+        try:
+            gradients = _on_ranks(module, batches, [candidates[i] for i in runnable], ranks, train_mode)
+        except Exception as error:  # nothing pickles, or a process died: the one-rank cuts still stand
+            gradients = [{"error": _message(error)}] * len(runnable)
         for index, gradient in zip(runnable, gradients, strict=True):
-            kept = references[index]
+            kept, entry = references[index], results[index]
             assert kept is not None
-            entry = results[index]
-            difference = math.nan if "error" in gradient else relative_difference(gradient, kept)
-            results[index] = Normalization(
-                entry.name, entry.settings, {**entry.differences, "ranks": difference}
-            )
+            if "error" in gradient:
+                failed = {**entry.cut_errors, "ranks": str(gradient["error"])}
+                results[index] = replace(entry, cut_errors=failed)
+            else:
+                difference = relative_difference(gradient, kept)
+                results[index] = replace(entry, differences={**entry.differences, "ranks": difference})
     return StepCheck(results[0], results[1:], tolerance, batches=len(batches), ranks=ranks)
+
+
+def _message(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 __all__ = ["NORMALIZATIONS", "Normalization", "StepCheck", "check_step", "relative_difference"]

@@ -308,7 +308,12 @@ class WindowPlan:
         assert trainer.max_epochs is not None
         items = [0.0] * int(batches)
         if policy.counts_items:
-            items = self._batch_items(trainer, int(batches), counts_samples)
+            try:
+                items = self._batch_items(trainer, int(batches), counts_samples)
+            except ValueError:
+                if not (most and policy.budget is not None):
+                    raise
+                return stepping_batches(FixedK(1), items, trainer.max_epochs, trainer.max_steps)
         return stepping_batches(policy, items, trainer.max_epochs, trainer.max_steps)
 
     @staticmethod
@@ -378,8 +383,8 @@ class WindowPlan:
             raise ValueError(
                 f"You have set `Trainer(accumulate_grad_batches={trainer_k})` and"
                 f" `GradientAccumulationCallback({self.policy.describe()})`. The callback owns the"
-                " accumulation factor: remove `accumulate_grad_batches` from the Trainer or set the same"
-                " value."
+                " accumulation factor: remove `accumulate_grad_batches` from the Trainer"
+                + (" or set the same value." if getattr(self.policy, "k", None) is not None else ".")
             )
         previous, self._world_size = self.run, trainer.world_size
         self._warn, self._budget_checked = warn, False
@@ -460,7 +465,7 @@ class WindowPlan:
         length = self.window_length(trainer, ready, k) if trainer is not None else k
         lightning_k = window_lightning_k(ready, length) if self._drives_windows else k
         if self.closes_on_items:  # no step at this batch until `take_items` says where the window ends
-            lightning_k = ready + 1
+            lightning_k = 1 << ready.bit_length()
         if trainer is not None:
             self._write(trainer, k, lightning_k, length if self.closes_epoch_tail else None)
         else:
@@ -470,10 +475,10 @@ class WindowPlan:
     def take_items(self, trainer: pl.Trainer, items: float) -> bool:
         """An item budget: add the running batch's items (over all ranks); whether it closes the window.
 
-        Lightning is driven for this batch alone: where the window goes on, a K that divides neither this
-        batch's ``ready`` nor the one before (no step, no zeroing); where it closes, a K of the window's
-        length that divides ``ready`` (:func:`window_lightning_k`). An epoch's last batch closes a window in
-        any case.
+        Lightning is driven for this batch alone: where the window goes on, the power of two above ``ready``,
+        which divides neither it nor the batch before (no step, no zeroing); where it closes, the smallest
+        K of at least the window's length that divides ``ready`` (:func:`window_lightning_k`). An epoch's
+        last batch closes a window in any case.
         """
         position, budget = self.position, self._policy.budget
         assert budget is not None
@@ -481,7 +486,8 @@ class WindowPlan:
         ready = internals.batches_ready(trainer)
         closes = position.window_items >= budget
         length = position.batches_in_window
-        lightning_k = window_lightning_k(ready - length + 1, length) if closes else ready + 1
+        # going on: a power of two above `ready` divides neither it nor the batch before (exact in any float)
+        lightning_k = window_lightning_k(ready - length + 1, length) if closes else 1 << ready.bit_length()
         position.lightning_k, position.window_k = lightning_k, length if closes else length + 1
         trainer.accumulate_grad_batches = self._written = lightning_k
         if self._accumulator is not None:  # the core's K grows with the window: full where the budget ends it

@@ -10,6 +10,7 @@ plain-PyTorch big batch of the window's sequences (``tests/normalization_cases.p
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,3 +118,33 @@ def test_the_budget_windows_items_are_logged_and_the_steps_estimated() -> None:
     full = [value for _, value in recorder.series("grad_accum/items_last_full_step")]
     assert full == [24.0] * 4  # an epoch's end does not fill a window
     assert cases.difference(module.net, cases.big_batch(data, windows, "constant")) < 1e-6
+
+
+def test_an_item_budget_refuses_a_negative_count_and_hands_callbacks_the_loss_as_returned() -> None:
+    data = cases.make_sequences(ROWS, packed=False)
+
+    class Negative(cases.SequenceModule):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            pass
+
+    callback = GradientAccumulationCallback(items_per_step=10, scaling="constant", item_count_fn=lambda b: -1)
+    with pytest.raises(ValueError, match="item count over the ranks is nan"):
+        h.fit(Negative(data, "constant", 2), callback)
+
+    seen: list[tuple[float, float]] = []
+
+    class Returned(cases.SequenceModule):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            self.returned = float(loss)
+            return loss
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            seen.append((float(outputs["loss"]), self.returned))
+
+    h.fit(
+        Returned(data, "token_mean", 2),
+        GradientAccumulationCallback(**cases.budget_settings("token_mean", 30)),
+    )
+    assert len(seen) == ROWS // 2
+    assert all(abs(lightning - returned) <= 1e-6 * returned for lightning, returned in seen)

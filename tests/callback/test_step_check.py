@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from lightning_gradacc.step_check import StepCheck, check_step
@@ -74,7 +75,33 @@ def test_a_counter_that_does_not_fit_the_batches_is_reported_not_raised() -> Non
     assert not result.invariant
     assert result.yours.error is not None and "TypeError" in result.yours.error
     assert "| n/a |" in result.report()
-    assert [s.name for s in result.suggestions] == ["sample mean"]  # the mean squared error of samples
+    assert "sample mean" in [s.name for s in result.suggestions]  # the mean squared error of samples
+
+
+def test_a_batch_the_splitter_cannot_cut_is_reported_as_such() -> None:
+    from tests import helpers as h
+
+    class FirstTwo(h.RegressionModule):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return super().training_step(batch[:2], batch_idx)
+
+    x, y = h.regression_data(5).tensors
+    flags = torch.ones(1)  # one per batch, not per item: the splitter cannot cut such a batch
+    batches = [(x[:2], y[:2], flags), (x[2:4], y[2:4], flags)]
+    result = check_step(FirstTwo(h.regression_data(5)), batches, {"scaling": "mean"}, ranks=1)
+    assert not result.invariant
+    assert "items" in result.yours.cut_errors and "failed" in result.report()
+    assert result.diagnosis().startswith("The check could not compute the window cut into items")
+
+
+def test_settings_that_cannot_reach_the_ranks_fail_that_cut_alone() -> None:
+    data = cases.make_sequences(8, packed=True)
+    batches = list(DataLoader(cases.Rows(data), batch_size=2))
+    settings = {"scaling": "weighted", "item_count_fn": lambda batch: batch["labels"].ne(-100).sum()}
+    result = check_step(cases.SequenceModule(data, "token_mean", 2), batches, settings, ranks=2)
+    assert result.yours.differences["items"] < 1e-6  # the one-rank cut ran
+    assert "ranks" in result.yours.cut_errors and not result.invariant  # a lambda does not pickle
+    assert "could not be computed" in result.diagnosis()
 
 
 def test_bad_arguments_are_refused_before_any_fit() -> None:

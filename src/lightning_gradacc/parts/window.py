@@ -9,6 +9,7 @@ ended inside it, or Lightning zeroes the gradients where it should go on).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -73,6 +74,7 @@ class WindowPart(FitPart):
         )
         self.groups = ParameterGroups()  # the optimizers' parameter groups the driver tracks
         self.asks_last = False  # whether a backward must know that it ends the window
+        self.closes_on_items = False  # an item budget closes the windows (read per batch: no call)
         self.driver: WindowDriver = None  # type: ignore[assignment]  # the fit's, built at train start
 
     # ---------------------------------------------------------------------------------------- the fit
@@ -109,6 +111,7 @@ class WindowPart(FitPart):
         fit.driver = self.driver = driver
         # FSDP reducing at the window's end, or the core flushing its buffers for DDP or a GradScaler
         self.asks_last = fit.sync.defers or driver.uses_last
+        self.closes_on_items = self.plan.closes_on_items
 
     @override
     def epoch_start(self) -> None:
@@ -155,7 +158,7 @@ class WindowPart(FitPart):
         if empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the window measures
             self.groups.follow(trainer, fit.pl_module, driver)  # the new set from its start
         self.plan.batch_start(trainer)  # a window opening here gets its K
-        if self.plan.closes_on_items:  # where this batch's items reach the budget, the window ends here
+        if self.closes_on_items:  # where this batch's items reach the budget, the window ends here
             self.plan.take_items(trainer, self._items_over_ranks(current.items, current.error))
         lightning_zeroes = self.plan.lightning_zeroes(trainer, batch_idx)
         if not internals.backward_skipped(trainer):
@@ -189,12 +192,11 @@ class WindowPart(FitPart):
         """
         fit = self.fit
         world = fit.trainer.world_size
-        unknown = items is None or error is not None
-        if world == 1 and not unknown and not isinstance(items, Tensor):
-            total = float(items)
+        local = _finite_count(None if error is not None else items)  # a bad count: nan, summed as one
+        if world == 1 and not isinstance(local, Tensor):
+            total = local
         else:
-            value = math.nan if unknown else items
-            summed = torch.as_tensor(value, dtype=torch.float64).reshape(()).to(fit.pl_module.device)
+            summed = torch.as_tensor(local, dtype=torch.float64).to(fit.pl_module.device)
             if world > 1:
                 torch.distributed.all_reduce(summed)
             total = float(summed)
@@ -213,7 +215,7 @@ class WindowPart(FitPart):
         ``loss`` is the tensor Lightning back-propagates: its L / K, times the AMP scale under 16-mixed.
         """
         current, trainer = self.fit.batch, self.fit.trainer
-        if self.plan.closes_on_items:  # Lightning divided it by this batch's own K: back to the window's
+        if self.closes_on_items:  # Lightning divided it by this batch's own K: back to the window's
             correction = self.plan.loss_correction(trainer)
             if correction != 1.0:
                 loss.mul_(correction)
@@ -245,6 +247,11 @@ class WindowPart(FitPart):
     @override
     def batch_end(self, outputs: Any) -> None:
         self.fit.batch.recorded, self.fit.batch.ended = False, True
+        if self.closes_on_items and isinstance(outputs, Mapping) and isinstance(outputs.get("loss"), Tensor):
+            # Lightning's is the loss / this batch's own K, which follows `ready`: the loss as returned
+            correction = self.plan.loss_correction(self.fit.trainer)
+            if correction != 1.0:
+                outputs["loss"].mul_(correction)  # Lightning's detached copy
 
     # ------------------------------------------------------------------------------------ reporting
 
@@ -267,3 +274,22 @@ class WindowPart(FitPart):
         entry = SavedState.save(driver, mid_batch=batch.recorded, in_batch=not batch.ended, warn=fit.warn)
         entry["plan"] = self.plan.state_dict()  # where training stands, inside a window too
         return entry
+
+
+def _finite_count(items: Any) -> float | Tensor:
+    """A count as a number >= 0, or nan (a missing, negative, non-finite or non-scalar count): no host read.
+
+    Example:
+        >>> _finite_count(3), _finite_count(-1), _finite_count(torch.tensor([2.0, 1.0]))
+        (3.0, nan, nan)
+    """
+    if isinstance(items, Tensor):
+        if items.numel() != 1 or items.is_complex():
+            return math.nan
+        value = items.detach().reshape(()).double()
+        return torch.where(torch.isfinite(value) & (value >= 0), value, math.nan)
+    try:
+        number = float(items)
+    except (TypeError, ValueError):
+        return math.nan
+    return number if math.isfinite(number) and number >= 0 else math.nan
