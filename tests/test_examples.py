@@ -61,15 +61,22 @@ def test_rl_example_steps_each_normalization_as_its_big_batch(capsys: pytest.Cap
 
 
 @pytest.mark.slow
-def test_rl_example_config_is_checked_by_the_command() -> None:
+def test_rl_example_config_is_checked_by_the_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In this process the check passes the config; the command, run as users run it, fails a wrong loss."""
     import subprocess
     import sys
 
+    from lightning_gradacc.cli import run_check
+
+    monkeypatch.chdir(RL.parent)
+    monkeypatch.syspath_prepend(str(RL.parent))  # as the command imports from the working directory
+    assert run_check(["--config", "rl_policy_gradient.yaml", "--ranks", "1"]) == 0
+    assert "The step is invariant" in capsys.readouterr().out
     command = [sys.executable, "-m", "lightning_gradacc", "check", "--config", "rl_policy_gradient.yaml"]
-    options: dict[str, Any] = {"capture_output": True, "text": True, "cwd": RL.parent, "timeout": 300}
-    ok = subprocess.run([*command, "--ranks", "1"], **options)
-    assert ok.returncode == 0, ok.stderr[-2000:]
     wrong = "--model.init_args.normalization=sequence mean"  # a sequence mean weighted by tokens
+    options: dict[str, Any] = {"capture_output": True, "text": True, "cwd": RL.parent, "timeout": 300}
     bad = subprocess.run([*command, "--ranks", "1", wrong], **options)
     assert bad.returncode == 1, bad.stderr[-2000:]
     assert "Your loss keeps the contract of: sequence mean" in bad.stdout
