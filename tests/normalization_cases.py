@@ -204,14 +204,20 @@ def window_loss(model: nn.Module, data: Sequences, rows: Sequence[int], normaliz
 
 
 def big_batch(
-    data: Sequences, windows: Sequence[Sequence[int]], normalization: str, lr: float = 0.5
+    data: Sequences,
+    windows: Sequence[Sequence[int]],
+    normalization: str,
+    lr: float = 0.5,
+    max_grad_norm: float | None = None,
 ) -> nn.Module:
-    """Plain PyTorch: one SGD step per window on the window's sequences as one batch."""
+    """Plain PyTorch: one SGD step per window on the window's sequences as one batch (clipped by norm)."""
     reference = copy.deepcopy(net())
     optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
     for rows in windows:
         optimizer.zero_grad()
         window_loss(reference, data, rows, normalization).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
         optimizer.step()
     return reference
 

@@ -148,3 +148,32 @@ def test_an_item_budget_refuses_a_negative_count_and_hands_callbacks_the_loss_as
     )
     assert len(seen) == ROWS // 2
     assert all(abs(lightning - returned) <= 1e-6 * returned for lightning, returned in seen)
+
+
+class Validated(cases.SequenceModule):
+    """Validation every 3 batches: inside budget windows (Lightning zeroes for it only where it steps)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", super().training_step(batch, batch_idx))
+
+    def val_dataloader(self) -> Any:
+        return self.train_dataloader()
+
+
+def test_a_budget_meets_validation_inside_its_windows_and_lightning_s_clipping() -> None:
+    data = cases.make_sequences(ROWS, packed=True)
+    module = Validated(data, "token_mean", 2)
+    settings = cases.budget_settings("token_mean", 30)
+    trainer = h.fit(
+        module,
+        GradientAccumulationCallback(**settings),
+        val_check_interval=3,
+        limit_val_batches=1,
+        gradient_clip_val=0.05,
+        max_epochs=2,
+    )
+    windows = cases.budget_windows(data, 2, "token_mean", 30, epochs=2)
+    assert trainer.global_step == len(windows) and any(len(w) % 6 for w in windows)  # windows cut by no 3
+    expected = cases.big_batch(data, windows, "token_mean", max_grad_norm=0.05)
+    assert cases.difference(module.net, expected) < 1e-6
+    assert cases.difference(module.net, cases.big_batch(data, windows, "token_mean")) > 1e-3  # it clipped
