@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from lightning_gradacc import GradientAccumulationCallback, estimated_stepping_batches
+from lightning_gradacc.counters import count_tokens
 from tests import helpers as h
 from tests import normalization_cases as cases
 
@@ -177,3 +180,52 @@ def test_a_budget_meets_validation_inside_its_windows_and_lightning_s_clipping()
     expected = cases.big_batch(data, windows, "token_mean", max_grad_norm=0.05)
     assert cases.difference(module.net, expected) < 1e-6
     assert cases.difference(module.net, cases.big_batch(data, windows, "token_mean")) > 1e-3  # it clipped
+
+
+def host_tokens(batch: Any) -> int:
+    """Target tokens, counted on the host (pieces of 0 are then known before their forward)."""
+    return int(count_tokens(batch))
+
+
+def test_constant_pieces_without_items_still_carry_their_terms() -> None:
+    """Rows without a target still add an unlabelled term (a penalty) under "constant": none is dropped."""
+    data = cases.make_sequences(16, packed=False)
+    data.labels[::3] = cases.IGNORE  # rows 0, 3, 6, ... count 0 tokens
+
+    class Penalized(cases.SequenceModule):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            penalty = self.net(batch["input_ids"]).pow(2).sum() / cases.NORMALIZER  # over every row
+            return super().training_step(batch, batch_idx) + 0.01 * penalty
+
+    module = Penalized(data, "constant", 4)
+    counted = GradientAccumulationCallback(2, scaling="constant", item_count_fn=host_tokens, piece_size=1)
+    h.fit(module, counted)
+    reference = cases.net()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for start in (0, 8):  # windows of 2 micro-batches of 4 rows, as one batch of 8
+        rows = slice(start, start + 8)
+        tokens = cases.token_losses(reference, data.inputs[rows], data.labels[rows]).sum() / cases.NORMALIZER
+        penalty = reference(data.inputs[rows]).pow(2).sum() / cases.NORMALIZER
+        optimizer.zero_grad()
+        (tokens + 0.01 * penalty).backward()
+        optimizer.step()
+    assert cases.difference(module.net, reference) < 1e-6
+
+
+def test_the_most_steps_of_a_budget_without_a_loader_batch_size_is_one_per_micro_batch() -> None:
+    data = cases.make_sequences(ROWS, packed=False)
+    found: list[Any] = []
+
+    class Sampled(cases.SequenceModule):
+        def train_dataloader(self) -> Any:  # a batch sampler: the loader has no `batch_size`
+            sampler = BatchSampler(SequentialSampler(range(ROWS)), batch_size=2, drop_last=False)
+            return DataLoader(cases.Rows(self.data), batch_sampler=sampler)
+
+        def configure_optimizers(self) -> Any:
+            found.append(estimated_stepping_batches(self.trainer, most=True))
+            with pytest.raises(ValueError, match="no `batch_size`"):
+                estimated_stepping_batches(self.trainer)
+            return super().configure_optimizers()
+
+    h.fit(Sampled(data, "constant", 2), GradientAccumulationCallback(scaling="constant", items_per_step=6))
+    assert found == [ROWS // 2]  # one step per micro-batch at most
