@@ -801,17 +801,9 @@ def exit_together() -> None:
     join them while anything (DDP's reducer) still holds it; without the teardown no thread meets a
     finalizing interpreter.
     """
-    import os
-    import sys
+    from lightning_gradacc.core.torch_internals import leave_the_group_and_exit
 
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # no rank leaves while another still talks to it
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_the_group_and_exit()  # the package's own check ends its processes the same way
 
 
 class _ExitTogether:
@@ -857,6 +849,18 @@ SPAWN: dict[str, Any] = {"pytorch_lightning": SpawnStrategy, "lightning.pytorch"
 
 
 # ------------------------------------------------------------------------------------ two processes
+
+
+def run_script(script: Path, out: Path, *args: str) -> Path:
+    """Run a script that trains on 2 processes (its strategy re-runs it for the second rank), into ``out``."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, str(script), str(out), *args], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
 
 
 def ddp_trainer(*callbacks: pl.Callback, strategy: object = "ddp_spawn", **kwargs: Any) -> pl.Trainer:

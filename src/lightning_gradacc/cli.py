@@ -36,8 +36,10 @@ from jsonargparse import get_loader, set_loader
 
 from .callback import GradientAccumulationLogic
 from .compatibility import SCHEDULER_CONFLICT
+from .core.torch_internals import leave_the_group
 from .core.versions import JSONARGPARSE_FLOOR, require
 from .namespaces import LIGHTNING, NAMESPACES, PYTORCH_LIGHTNING, installed, namespace_of
+from .step_check import TOLERANCE
 
 require("jsonargparse", JSONARGPARSE_FLOOR)
 
@@ -410,7 +412,7 @@ def build_cli(args: list[str] | None = None, *, run: bool = True) -> Any:
     )
 
 
-CHECK_OPTIONS = {"--batches": (int, 4), "--ranks": (int, 2), "--tolerance": (float, 1e-4)}
+CHECK_OPTIONS = {"--batches": (int, 4), "--ranks": (int, 2), "--tolerance": (float, TOLERANCE)}
 
 
 def _check_options(args: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -480,23 +482,7 @@ def main() -> None:
     if sys.argv[1:2] == ["check"]:
         raise SystemExit(run_check(sys.argv[2:]))
     build_cli()
-    _leave_the_process_group()
-
-
-def _leave_the_process_group() -> None:
-    """After the subcommand, under DDP: every rank meets, then the process group is destroyed.
-
-    Lightning destroys only NCCL groups at exit. A gloo worker thread can still need the GIL just after a
-    collective completes (to drop the Python objects its work holds); if the interpreter is finalizing by
-    then, CPython ends the thread inside a C++ destructor and the process aborts (SIGABRT) after its work is
-    done. After the barrier every collective of this rank has completed, and no rank exits while another
-    still talks to it.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_the_group()  # under DDP: every rank meets, then the group goes (see there)
 
 
 def _import_from_the_working_directory() -> None:

@@ -437,7 +437,7 @@ class PieceRunner:
         if len(pieces) > 1 and not self._mixing_checked:
             self._mixing_checked = True
             self._warn_of_mixing()
-        if len(pieces) > 1 and not self._additive:  # an additive loss may hold terms no item counts
+        if len(pieces) > 1:
             kept = [p for p in pieces if not (isinstance(s := self._share(p, run), float) and s == 0.0)]
             run.pieces = kept or pieces[:1]  # a batch without items runs as one piece, as it would whole
 
@@ -481,7 +481,7 @@ class PieceRunner:
                 "With `piece_size`, `training_step` must return the loss (a Tensor, or a mapping with 'loss')"
                 f" for every piece; it returned {type(output).__name__}."
             )
-        share = 1.0 if self._additive else self._share(piece, run)
+        share = self._share(piece, run)
         if isinstance(share, Tensor):  # a piece without items: its mean is 0/0, its part nothing
             weighted = torch.where(share > 0, loss * share, torch.zeros_like(loss))
         else:
@@ -491,7 +491,13 @@ class PieceRunner:
         return weighted
 
     def _share(self, piece: Any, run: _Run) -> float | Tensor:
-        """The piece's part of the batch's items (0 where the batch has none), counted once per piece."""
+        """The piece's part of the batch's items (0 where the batch has none), counted once per piece.
+
+        1 for an additive loss (``scaling="constant"``): its pieces add as they are, none is dropped (an
+        unlabelled term may sit in a piece without items), and nothing is counted.
+        """
+        if self._additive:
+            return 1.0
         share = run.shares.get(id(piece))
         if share is None:
             share = run.shares[id(piece)] = self._count_share(piece, run)

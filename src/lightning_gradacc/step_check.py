@@ -51,7 +51,7 @@ import pickle
 import socket
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -64,6 +64,7 @@ from .batch_pieces import SplitFn, pieces_of
 from .core.scaling import SCALING_MODES
 from .core.settings import check_scaling
 from .core.torch_internals import leave_the_group_and_exit
+from .counters import count_predicted_tokens, count_sequences, count_tokens
 from .namespaces import PYTORCH_LIGHTNING, namespace, namespace_of
 
 # the settings of the callback that decide the normalization; the others (clipping, overflow) are left out
@@ -72,31 +73,24 @@ CUTS = ("items", "ranks")
 TOLERANCE = 1e-4  # relative: fp32 sums in another order differ by ~1e-7; a normalization bug by ~1e-1
 
 
-def _counter(name: str) -> Callable[[Any], Any]:
-    return getattr(importlib.import_module("lightning_gradacc.counters"), name)  # type: ignore[no-any-return]
-
-
 # each normalization the package provides: its name in the report and the callback's settings for it
 NORMALIZATIONS: dict[str, dict[str, Any]] = {
-    "token mean": {"scaling": "weighted", "item_count_fn": "count_tokens"},
-    "predicted-token mean": {"scaling": "weighted", "item_count_fn": "count_predicted_tokens"},
-    "sequence mean": {"scaling": "weighted", "item_count_fn": "count_sequences"},
+    "token mean": {"scaling": "weighted", "item_count_fn": count_tokens},
+    "predicted-token mean": {"scaling": "weighted", "item_count_fn": count_predicted_tokens},
+    "sequence mean": {"scaling": "weighted", "item_count_fn": count_sequences},
     "sample mean": {"scaling": "weighted"},
     "constant normaliser": {"scaling": "constant"},
 }
 
 
 def normalization_settings(name: str) -> dict[str, Any]:
-    """The callback's settings of a normalization of :data:`NORMALIZATIONS`, its counter imported.
+    """The callback's settings of a normalization of :data:`NORMALIZATIONS` (a copy).
 
     Example:
         >>> normalization_settings("sequence mean")["item_count_fn"].__name__
         'count_sequences'
     """
-    chosen = dict(NORMALIZATIONS[name])
-    if isinstance(chosen.get("item_count_fn"), str):
-        chosen["item_count_fn"] = _counter(chosen["item_count_fn"])
-    return chosen
+    return dict(NORMALIZATIONS[name])
 
 
 def describe(settings: dict[str, Any]) -> str:
@@ -218,7 +212,6 @@ class StepCheck:
             >>> print(check.report().splitlines()[4])
             | your settings (scaling='mean') | 2.5e-01 | - | no |
         """
-        cuts = CUTS
         lines = [
             f"One window of {self.batches} batch(es): its gradient with micro-batches of one item, and over"
             f" {self.ranks} rank(s), relative to the batches as given (the same within {self.tolerance:g}):",
@@ -236,7 +229,7 @@ class StepCheck:
                 else "failed"
                 if c in entry.cut_errors
                 else "-"
-                for c in cuts
+                for c in CUTS
             ]
             verdict = "yes" if entry.invariant(self.tolerance) else "no"
             lines.append(f"| {entry.name} ({entry.settings}) | " + " | ".join(values) + f" | {verdict} |")

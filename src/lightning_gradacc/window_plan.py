@@ -464,8 +464,6 @@ class WindowPlan:
         assert k is not None
         length = self.window_length(trainer, ready, k) if trainer is not None else k
         lightning_k = window_lightning_k(ready, length) if self._drives_windows else k
-        if self.closes_on_items:  # no step at this batch until `take_items` says where the window ends
-            lightning_k = 1 << ready.bit_length()
         if trainer is not None:
             self._write(trainer, k, lightning_k, length if self.closes_epoch_tail else None)
         else:
@@ -488,10 +486,8 @@ class WindowPlan:
         length = position.batches_in_window
         # going on: a power of two above `ready` divides neither it nor the batch before (exact in any float)
         lightning_k = window_lightning_k(ready - length + 1, length) if closes else 1 << ready.bit_length()
-        position.lightning_k, position.window_k = lightning_k, length if closes else length + 1
-        trainer.accumulate_grad_batches = self._written = lightning_k
-        if self._accumulator is not None:  # the core's K grows with the window: full where the budget ends it
-            self._accumulator.accumulation_steps = position.window_k
+        # the core's K grows with the window (full where the budget ends it); its loss scale stays 1
+        self._write(trainer, length if closes else length + 1, lightning_k)
         return closes
 
     def window_closed(self, accumulator: WindowDriver) -> None:

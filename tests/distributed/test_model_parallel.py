@@ -9,8 +9,6 @@ those samples of both ranks as one batch.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ from torch import nn
 
 from lightning_gradacc import GradAccumulator
 from tests.distributed import model_parallel_run as run
-from tests.helpers import ROOT
+from tests.helpers import run_script
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -41,16 +39,7 @@ HERE = Path(__file__).parent
     ],
 )
 def trained(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
-    out = tmp_path_factory.mktemp(request.param)
-    result = subprocess.run(
-        [sys.executable, str(HERE / "model_parallel_run.py"), str(out), request.param],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return run_script(HERE / "model_parallel_run.py", tmp_path_factory.mktemp(request.param), request.param)
 
 
 def _windows(out: Path, name: str, drop: int | None = None) -> list[list[int]]:

@@ -6,8 +6,6 @@ big batch of its windows (16 rows over both ranks: rows 0-15, 16-31, 32-39, whic
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import torch
 
 from tests import normalization_cases as cases
 from tests.distributed import normalization_run as run
-from tests.helpers import ROOT
+from tests.helpers import run_script
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -23,16 +21,7 @@ HERE = Path(__file__).parent
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("normalizations")
-    result = subprocess.run(
-        [sys.executable, str(HERE / "normalization_run.py"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return run_script(HERE / "normalization_run.py", tmp_path_factory.mktemp("normalizations"))
 
 
 def trained_net(out: Path, name: str) -> torch.nn.Module:

@@ -446,22 +446,32 @@ def compiled_with_cuda_graphs(module: torch.nn.Module) -> str | None:
     return None
 
 
-def leave_the_group_and_exit() -> None:
-    """End a process of a gloo group once its work is done: every rank meets, then exit without teardown.
+def leave_the_group() -> None:
+    """Every rank meets, then the process group is destroyed (nothing where none is running).
 
     A gloo worker thread can still need the GIL after its collective completed, to drop a Python object (the
     autograd context a backward's reduction carries); if the interpreter is finalizing by then, CPython ends
     that thread inside a C++ destructor and the process aborts (SIGABRT) after its work is done. After the
-    barrier no rank still talks to another; ``os._exit`` skips the teardown such a thread would meet.
+    barrier every collective of this rank has completed, and no rank exits while another still talks to it
+    (Lightning destroys only NCCL groups at exit).
     """
-    import os
-    import sys
-
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def leave_the_group_and_exit() -> None:
+    """End a process of a gloo group once its work is done: :func:`leave_the_group`, then exit at once.
+
+    ``os._exit`` skips the interpreter's teardown, which a gloo worker thread still holding a Python object
+    could meet even after the group is destroyed (DDP's reducer may still hold it).
+    """
+    import os
+    import sys
+
+    leave_the_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

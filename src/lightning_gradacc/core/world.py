@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from .settings import check_positive_int
@@ -23,6 +24,22 @@ def default_world() -> tuple[int, AllReduce | None]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return 1, None
     return dist.get_world_size(), _all_reduce_sum
+
+
+def summed_over_ranks(value: float | Tensor, device: torch.device | str) -> float:
+    """A count summed over the ranks of the running process group (itself without one), read on the host.
+
+    One all-reduce of a float64 scalar on ``device`` (the process group's: a CUDA device under NCCL); a nan
+    on any rank reaches every rank, which can then raise together.
+
+    Example:
+        >>> summed_over_ranks(torch.tensor(3), "cpu"), summed_over_ranks(2.5, "cpu")  # one process
+        (3.0, 2.5)
+    """
+    _, all_reduce = default_world()
+    if all_reduce is None:
+        return float(value)
+    return float(all_reduce(torch.as_tensor(value, dtype=torch.float64).reshape(()).to(device)))
 
 
 def _all_reduce_sum(tensor: Tensor) -> Tensor:

@@ -15,12 +15,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from typing_extensions import override
 
 from .. import lightning_internals as internals
 from ..core.settings import check_item_count
 from ..core.weighting import missing_count
+from ..core.world import summed_over_ranks
 from ..counters import count_micro_batch
 from ..engine_window import EngineWindow
 from .base import Fit, FitPart
@@ -63,12 +63,7 @@ class ItemsReadAhead(FitPart):
             counts.append(self._checked(counted.items, counted.label, counted.error))
         problem = next((c for c in counts if isinstance(c, str)), None)
         local = math.nan if problem is not None else sum(counts)  # type: ignore[arg-type]
-        total = local
-        world = fit.trainer.world_size
-        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            summed = torch.tensor([local], dtype=torch.float64, device=engine.device)
-            torch.distributed.all_reduce(summed)  # one per window; a nan (a bad count) reaches every rank
-            total = float(summed[0])
+        total = summed_over_ranks(local, engine.device)  # one per window; a bad count's nan reaches all
         if not math.isfinite(total):
             raise RuntimeError(problem or "Another rank's item count in this window is invalid")
         if total == 0 and "empty weighted window" not in fit.once:

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from .. import lightning_internals as internals
 from ..core.torch_internals import disarm
+from ..core.world import summed_over_ranks
 from ..counters import count_micro_batch
 from ..fit_accumulator import ParameterGroups, SavedState
 from .base import Batch, Declaration, Fit, FitPart
@@ -190,16 +191,8 @@ class WindowPart(FitPart):
         Every rank decides where an item budget's window ends from the same number. A count that is not a
         number >= 0 (on any rank: it reaches every rank as a nan) raises on every rank together.
         """
-        fit = self.fit
-        world = fit.trainer.world_size
         local = _finite_count(None if error is not None else items)  # a bad count: nan, summed as one
-        if world == 1 and not isinstance(local, Tensor):
-            total = local
-        else:
-            summed = torch.as_tensor(local, dtype=torch.float64).to(fit.pl_module.device)
-            if world > 1:
-                torch.distributed.all_reduce(summed)
-            total = float(summed)
+        total = summed_over_ranks(local, self.fit.pl_module.device)
         if not (math.isfinite(total) and total >= 0):
             raise ValueError(
                 f"`items_per_step` closes each window on its items, but a micro-batch's item count over the"
