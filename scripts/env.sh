@@ -64,11 +64,14 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
             # ops are JIT-built when used, and its build must see this torch, not a CUDA one of its own
             DS_BUILD_OPS=0 python -m pip install --quiet --no-build-isolation -c "$PINS" "deepspeed>=0.19.8,<0.20"
             ;;
+        # no wheel cache either: these installs take CUDA builds of torch of several GB, and a cached copy
+        # beside the installed one filled a CI machine's disk
         oldest)
-            PIP_CONFIG_FILE=/dev/null python -m pip install --quiet -c "$PINS" -e "$ROOT[dev,lightning]"
+            PIP_CONFIG_FILE=/dev/null python -m pip install --quiet --no-cache-dir -c "$PINS" -e "$ROOT[dev,lightning]"
             ;;
         newest)
-            PIP_CONFIG_FILE=/dev/null python -m pip install --quiet --upgrade --upgrade-strategy eager -e "$ROOT[dev,lightning]"
+            PIP_CONFIG_FILE=/dev/null python -m pip install --quiet --no-cache-dir --upgrade --upgrade-strategy eager \
+                -e "$ROOT[dev,lightning]"
             ;;
     esac
     echo "$WANT" > "$STAMP"
