@@ -212,14 +212,29 @@ class ParameterGroups:
 
     def __init__(self) -> None:
         self.signature: tuple[tuple[int, int], ...] = ()
+        # one optimizer with one group (the common case): its list of parameters and their number, looked at
+        # with no tuple built (three times per micro-batch)
+        self._params: list[Any] | None = None
+        self._count = 0
 
     def tracked(self, trainer: pl.Trainer) -> None:
         """The accumulator was just built over the groups as they are."""
         self.signature = param_groups_signature(trainer)
+        optimizers = trainer.optimizers
+        groups = optimizers[0].param_groups if len(optimizers) == 1 else ()
+        self._params = groups[0]["params"] if len(groups) == 1 else None
+        self._count = len(self._params) if self._params is not None else 0
 
     def follow(self, trainer: pl.Trainer, pl_module: pl.LightningModule, accumulator: WindowDriver) -> None:
         """Track the optimized parameters again if a group was added or changed since the last look."""
+        params = self._params
+        if params is not None:
+            optimizers = trainer.optimizers
+            if len(optimizers) == 1:
+                groups = optimizers[0].param_groups
+                if len(groups) == 1 and groups[0]["params"] is params and len(params) == self._count:
+                    return
         signature = param_groups_signature(trainer)
         if signature != self.signature:
             accumulator.track(optimized_parameters(trainer, pl_module))
-            self.signature = signature
+            self.tracked(trainer)

@@ -127,12 +127,20 @@ def test_parameters_outside_the_optimizer_change_neither_norm_nor_skip(poison: b
     assert callback.stats.skipped_steps == 0
 
 
-class AddsAGroupInTrainingStep(h.RegressionModule):
-    """`net.0` is frozen and in no optimizer until `training_step` of batch `at` adds it as a group."""
+def join_the_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], how: str) -> None:
+    """A new group, or the parameters appended in place to the one group's list (its length changes)."""
+    if how == "group":
+        optimizer.add_param_group({"params": params})
+    else:
+        optimizer.param_groups[0]["params"].extend(params)
 
-    def __init__(self, at: int, **kwargs: Any) -> None:
+
+class AddsAGroupInTrainingStep(h.RegressionModule):
+    """`net.0` is frozen and in no optimizer until `training_step` of batch `at` adds it (see `join_...`)."""
+
+    def __init__(self, at: int, how: str = "group", **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.at = at
+        self.at, self.how = at, how
         self.net[0].requires_grad_(False)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -141,15 +149,17 @@ class AddsAGroupInTrainingStep(h.RegressionModule):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         if batch_idx == self.at:
             self.net[0].requires_grad_(True)
-            self.trainer.optimizers[0].add_param_group({"params": list(self.net[0].parameters())})
+            join_the_optimizer(self.trainer.optimizers[0], list(self.net[0].parameters()), self.how)
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize("accumulation_dtype", [None, "float64"])
+@pytest.mark.parametrize(
+    ("accumulation_dtype", "how"), [(None, "group"), ("float64", "group"), (None, "extended")]
+)
 def test_a_group_added_in_the_last_micro_batch_of_a_window_is_in_that_step(
-    accumulation_dtype: str | None,
+    accumulation_dtype: str | None, how: str
 ) -> None:
-    module = AddsAGroupInTrainingStep(7, data=h.regression_data(40))  # batch 7 ends window 1
+    module = AddsAGroupInTrainingStep(7, how, data=h.regression_data(40))  # batch 7 ends window 1
     fit(module, GradientAccumulationCallback(4, max_grad_norm=0.3, accumulation_dtype=accumulation_dtype))
     # the plain loop: net.0 joins the optimizer (and starts receiving gradients) at micro-batch 7
     net, (x, y) = h.regression_net(), h.regression_data(40).tensors
@@ -160,7 +170,7 @@ def test_a_group_added_in_the_last_micro_batch_of_a_window_is_in_that_step(
         for b in window:
             if b == 7:
                 net[0].requires_grad_(True)
-                optimizer.add_param_group({"params": list(net[0].parameters())})
+                join_the_optimizer(optimizer, list(net[0].parameters()), how)
             (h.mse(net, x[4 * b : 4 * b + 4], y[4 * b : 4 * b + 4]) / len(window)).backward()
         stepped = [p for group in optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_norm_(stepped, 0.3)

@@ -454,33 +454,39 @@ class Ledger:
         vector = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in scalars])
         return vector if vector.dtype == self.dtype else vector.to(self.dtype)
 
-    def fold_numbers(self, values: Mapping[str, float], window_loss: Deferred) -> bool:
-        """Fold one window of host numbers, its loss computed only if read; ``False``: rows wait (fold them).
+    def fold_plain(  # one value per statistic: no container built per step
+        self,
+        norm: float,
+        items: float,
+        window_loss: Deferred,
+        *,
+        non_finite: bool,
+        skipped: bool,
+        empty: bool,
+        clipped: bool,
+        full: bool,
+    ) -> bool:
+        """Fold one plain window's host numbers, its loss computed only if read; ``False``: rows wait.
 
-        The window's end in its plain form (:meth:`WindowEnd.close_plain`): no value is a tensor or a
-        function, so none is asked; the leaders' followers and the folds are the declared ones.
+        The window's end in its plain form (:meth:`WindowEnd.close_plain`): the folds of its statistics are
+        the declared ones (sums, the last values, the largest finite norm seen), written out: a table walk
+        costs a dictionary and a branch per value on every step (a test holds them to the general fold).
         """
         if self._pending or self._held is not None:
             return False
         self._deferred["window_loss"] = window_loss
         host = self._host
-        for name, value in values.items():
-            fold = _FOLD[name]
-            if fold == "sum":
-                host[name] += value
-            elif fold == "last":
-                host[name] = value
-            elif value == value and value not in (math.inf, -math.inf) and not value <= host[name]:
-                host[name] = value  # a larger finite maximum
-        for leader, follower in _FOLLOWERS:
-            new = values.get(leader)
-            if (
-                new is not None
-                and new == new
-                and new not in (math.inf, -math.inf)
-                and not new <= host[follower]
-            ):
-                host[follower] = new
+        host["non_finite_windows"] += non_finite
+        host["skipped_steps"] += skipped
+        host["empty_windows"] += empty
+        host["clipped_steps"] += clipped
+        host["items_seen"] += items
+        host["last_grad_norm"] = norm
+        host["items_last_step"] = items
+        if full:
+            host["items_last_full_step"] = items
+        if norm - norm == 0.0 and not norm <= host["max_grad_norm_seen"]:  # finite and larger (or the first)
+            host["max_grad_norm_seen"] = norm
         return True
 
     def _fold_host(self, values: Mapping[str, float]) -> None:
@@ -661,11 +667,31 @@ class RunStatistics:
         if not reevaluation:
             self.windows += 1
 
-    def close_window_numbers(
-        self, statistics: Mapping[str, float], window_loss: Deferred, *, micro_batches: int
+    def close_plain_window(
+        self,
+        norm: float,
+        items: float,
+        window_loss: Deferred,
+        *,
+        non_finite: bool,
+        skipped: bool,
+        empty: bool,
+        clipped: bool,
+        full: bool,
+        micro_batches: int,
     ) -> bool:
-        """Fold and count a window of host numbers (:meth:`Ledger.fold_numbers`); ``False``: not folded."""
-        if not self._ledger.fold_numbers(statistics, window_loss):
+        """Fold and count a plain window's host numbers (:meth:`Ledger.fold_plain`); ``False``: not folded."""
+        folded = self._ledger.fold_plain(
+            norm,
+            items,
+            window_loss,
+            non_finite=non_finite,
+            skipped=skipped,
+            empty=empty,
+            clipped=clipped,
+            full=full,
+        )
+        if not folded:
             return False
         self.micro_batches_last_step = micro_batches
         self.windows += 1

@@ -121,7 +121,7 @@ class WindowTally:
         self.device = device
         self.dtype = dtype
         self.host: dict[str, float] = dict.fromkeys(NAMES, 0.0)
-        self.pending: dict[str, list[Tensor]] = {name: [] for name in NAMES}
+        self.pending: dict[str, list[Tensor]] = {}  # by quantity, made at its first device scalar
         self.losses: list[Tensor] = []
         self.loss_weights: list[float | Tensor] = []
         self.problems: list[str] = []  # invalid counts found on the host: messages
@@ -131,7 +131,7 @@ class WindowTally:
     def add(self, name: str, value: Scalar) -> None:
         """Add ``value`` to quantity ``name`` (a device scalar waits for the boundary; no kernel here)."""
         if isinstance(value, Tensor):
-            self.pending[name].append(value)
+            self.pending.setdefault(name, []).append(value)
             self.on_device = True
         else:
             self.host[name] += value
@@ -209,12 +209,12 @@ class WindowTally:
         ``with_loss=False`` leaves the loss totals ``None`` (see :meth:`loss_totals`, callable later).
         """
         totals: Totals = {
-            name: self._total(self.pending[name], self.host[name])
+            name: self._total(self.pending.get(name, []), self.host[name])
             for name in NAMES
             if name not in LOSS and name != "bad_items"
         }
         totals["bad_items"] = self._total(
-            [*self.pending["bad_items"], *(check.flag for check in self.checks)],
+            [*self.pending.get("bad_items", ()), *(check.flag for check in self.checks)],
             self.host["bad_items"] + len(self.problems),
         )
         totals.update(zip(LOSS, self.loss_totals() if with_loss else (None, None), strict=True))

@@ -198,21 +198,22 @@ class WindowEnd:
             coefficient = min(settings.max_grad_norm / (norm + EPS), 1.0)
             clipped, multiplier = coefficient < 1.0, coefficient * factor
         items, gradient_scale = host["items"], self.scale.loss_scale
-        window_values = {
-            "non_finite_windows": 0.0 if finite else 1.0,
-            "skipped_steps": 1.0 if not finite and has_items and settings.overflow == "skip" else 0.0,
-            "empty_windows": 0.0 if has_items else 1.0,
-            "clipped_steps": 1.0 if clipped else 0.0,
-            "last_grad_norm": norm,
-            "items_last_step": items,
-            "items_seen": items,
-            **({"items_last_full_step": items} if full else {}),
-        }
 
         def window_loss() -> Scalar:  # computed only if it is read before the next window closes
             return mean_loss(*tally.loss_totals(), gradient_scale)
 
-        if not self.statistics.close_window_numbers(window_values, window_loss, micro_batches=micro_batches):
+        folded = self.statistics.close_plain_window(
+            norm,
+            items,
+            window_loss,
+            non_finite=not finite,
+            skipped=not finite and has_items and settings.overflow == "skip",
+            empty=not has_items,
+            clipped=clipped,
+            full=full,
+            micro_batches=micro_batches,
+        )
+        if not folded:
             return None  # earlier windows' values wait on the device: the general path folds them
         self.weighting.rebase(items, micro_batches)
         if not (finite and has_items):
