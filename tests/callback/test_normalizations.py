@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from pytorch_lightning.callbacks import EMAWeightAveraging
+from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from lightning_gradacc import GradientAccumulationCallback, estimated_stepping_batches
@@ -103,6 +105,54 @@ def test_a_resume_inside_a_budget_window_goes_on_exactly(tmp_path: Path, at: int
     windows = cases.budget_windows(data, 2, "token_mean", 30, epochs=2)
     assert trainer.global_step == len(windows)
     assert cases.difference(resumed.net, cases.big_batch(data, windows, "token_mean")) < 1e-6
+
+
+class Preempted(cases.SequenceModule):
+    """Raises in ``training_step`` of batch ``at`` of its first fit (a preemption the process survives)."""
+
+    def __init__(self, *args: Any, at: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.at: int | None = at
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        if batch_idx == self.at:
+            self.at = None
+            raise RuntimeError("preempted")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("at", [3, 5])  # each inside a budget window with items counted
+def test_a_second_fit_after_one_stopped_inside_a_budget_window_starts_a_window_of_its_own(at: int) -> None:
+    """The stopped window is dropped; the next fit's first window counts its own items only."""
+    data = cases.make_sequences(ROWS, packed=True)
+    module = Preempted(data, "token_mean", 2, at=at)
+    callback = GradientAccumulationCallback(**cases.budget_settings("token_mean", 30))
+    with pytest.raises(RuntimeError, match="preempted"):
+        h.fit(module, callback)
+    trainer = h.fit(module, callback)
+    windows = cases.budget_windows(data, 2, "token_mean", 30)
+    stepped_before = [window for window in windows if max(window) < 2 * at]
+    assert 0 < len(stepped_before) and trainer.global_step == len(windows)
+    expected = cases.big_batch(data, stepped_before + windows, "token_mean")
+    assert cases.difference(module.net, expected) < 1e-6
+
+
+def test_lightning_s_ema_averages_the_weights_of_each_budget_window_s_step() -> None:
+    """``EMAWeightAveraging`` updates after each optimizer step: once per window the budget closes."""
+    data = cases.make_sequences(ROWS, packed=True)
+    module = cases.SequenceModule(data, "token_mean", 2)
+    ema = EMAWeightAveraging(decay=0.5, update_every_n_steps=1)
+    h.fit(module, GradientAccumulationCallback(**cases.budget_settings("token_mean", 30)), ema, max_epochs=2)
+    reference = cases.net()
+    average = AveragedModel(reference, avg_fn=get_ema_avg_fn(0.5), use_buffers=True)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for rows in cases.budget_windows(data, 2, "token_mean", 30, epochs=2):
+        optimizer.zero_grad()
+        cases.window_loss(reference, data, rows, "token_mean").backward()
+        optimizer.step()
+        average.update_parameters(reference)
+    assert int(ema._average_model.n_averaged) == 18  # windows of two epochs
+    assert cases.difference(module.net, average.module) < 1e-6  # the average is the module's at the end
 
 
 def test_the_budget_windows_items_are_logged_and_the_steps_estimated() -> None:
