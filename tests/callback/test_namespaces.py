@@ -51,6 +51,25 @@ def test_weighted_tokens_match_one_big_batch(ns: str) -> None:
 
 
 @NAMESPACES
+def test_a_token_budget_closes_each_window_as_its_big_batch(ns: str) -> None:
+    """``items_per_step``: each window ends at the first micro-batch whose tokens reach 20."""
+    data = h.token_data()
+    callback = h.accumulation_callback(
+        ns, scaling="weighted", item_count_fn=h.count_tokens, items_per_step=20
+    )
+    module, trainer = fit(ns, callback, module=h.TOKEN_MODULES[ns](data))
+    tokens = [int(h.count_tokens(data[2 * b : 2 * b + 2])) for b in range(12)]  # micro-batches of 2 rows
+    windows: list[list[int]] = [[]]
+    for b in range(12):
+        windows[-1].append(b)
+        if sum(tokens[i] for i in windows[-1]) >= 20 and b < 11:
+            windows.append([])
+    assert trainer.global_step == len(windows) > 2
+    expected = h.big_batch_reference(h.token_net(), data, 2, windows, h.token_loss, lr=0.5)
+    assert h.max_abs_diff(module.net, expected) < 1e-6
+
+
+@NAMESPACES
 def test_epoch_schedule_matches_big_batch(ns: str) -> None:
     module, trainer = fit(ns, h.accumulation_callback(ns, {0: 3, 1: 4}), max_epochs=2)
     expected = reference(h.windows(10, lambda epoch: 3 if epoch == 0 else 4, epochs=2))

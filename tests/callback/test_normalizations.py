@@ -132,7 +132,7 @@ def test_a_second_fit_after_one_stopped_inside_a_budget_window_starts_a_window_o
     trainer = h.fit(module, callback)
     windows = cases.budget_windows(data, 2, "token_mean", 30)
     stepped_before = [window for window in windows if max(window) < 2 * at]
-    assert 0 < len(stepped_before) and trainer.global_step == len(windows)
+    assert len(stepped_before) > 0 and trainer.global_step == len(windows)
     expected = cases.big_batch(data, stepped_before + windows, "token_mean")
     assert cases.difference(module.net, expected) < 1e-6
 
