@@ -5,11 +5,11 @@ Run: ``python examples/rl_policy_gradient.py`` (``--ranks 1`` skips the two-proc
 Each completion is a row of actions (tokens; padding labelled -100) with one advantage. The loss of a token
 is ``-advantage x log pi(action)``; GRPO's variants differ in how those are averaged, about 10x apart in
 gradient norm. Each normalization is a loss of :mod:`lightning_gradacc.losses` with the callback's settings
-for it, and windows closed on an item budget (``items_per_step``: tokens, or completions for the sequence
-mean, whose counter is the budget's too):
+for it, and windows closed on a budget of 40 action tokens (``items_per_step``; the sequence mean weighs
+completions and counts its budget in tokens with ``budget_count_fn``):
 
 * token mean (DAPO, GRPO at token level): ``scaling="weighted", item_count_fn=count_tokens``;
-* sequence mean (GRPO): ``scaling="weighted", item_count_fn=count_sequences``;
+* sequence mean (GRPO): ``scaling="weighted", item_count_fn=count_sequences, budget_count_fn=count_tokens``;
 * a constant (Dr. GRPO: a fixed number of tokens): ``scaling="constant"``.
 
 For each, ``Trainer.fit`` runs one epoch; the script prints the steps' tokens and completions, the largest
@@ -43,7 +43,12 @@ VOCAB = 16
 CONSTANT = 64.0  # Dr. GRPO's normaliser: about the tokens of a step
 NORMALIZATIONS: dict[str, dict[str, Any]] = {
     "token mean": {"scaling": "weighted", "item_count_fn": count_tokens, "items_per_step": 40},
-    "sequence mean": {"scaling": "weighted", "item_count_fn": count_sequences, "items_per_step": 7},
+    "sequence mean": {
+        "scaling": "weighted",
+        "item_count_fn": count_sequences,
+        "budget_count_fn": count_tokens,  # steps of 40 tokens, each completion weighed once
+        "items_per_step": 40,
+    },
     "constant": {"scaling": "constant", "item_count_fn": count_tokens, "items_per_step": 40},
 }
 
@@ -185,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             callbacks=[GradientAccumulationCallback(**settings)],
         )
         trainer.fit(module)
-        count, budget = settings["item_count_fn"], settings["items_per_step"]
+        count = settings.get("budget_count_fn", settings["item_count_fn"])
+        budget = settings["items_per_step"]
         windows = budget_windows(data, module.micro_batch, count, budget)
         tokens = [int((data.labels[w] != IGNORE_INDEX).sum()) for w in windows]
         off = difference(module.net, big_batch(name, windows, data))

@@ -228,10 +228,17 @@ def row_windows(rows: int, per_window: int) -> list[list[int]]:
 
 
 def budget_windows(
-    data: Sequences, rows_per_micro_batch: int, normalization: str, budget: float, epochs: int = 1
+    data: Sequences,
+    rows_per_micro_batch: int,
+    normalization: str,
+    budget: float,
+    epochs: int = 1,
+    counts: str | None = None,
 ) -> list[list[int]]:
     """The windows an item budget closes: micro-batches of rows (all ranks' together) until their items
-    reach ``budget``; an epoch's end closes the last. Items: target tokens, or sequences for sequence mean."""
+    reach ``budget``; an epoch's end closes the last. Items (``counts``): ``"tokens"`` (target tokens) or
+    ``"sequences"``; by default sequences for sequence mean, else tokens."""
+    counts = counts or ("sequences" if normalization == "sequence_mean" else "tokens")
     rows = len(data.inputs)
     windows: list[list[int]] = []
     for _ in range(epochs):
@@ -240,7 +247,7 @@ def budget_windows(
         for start in range(0, rows, rows_per_micro_batch):
             chunk = list(range(start, min(start + rows_per_micro_batch, rows)))
             window += chunk
-            if normalization == "sequence_mean":  # sequences with a target (every one here has one)
+            if counts == "sequences":  # sequences with a target (every one here has one)
                 items += sum(len(data.members[row]) for row in chunk)
             else:
                 items += int((data.labels[chunk] != IGNORE).sum())

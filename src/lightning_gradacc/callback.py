@@ -30,7 +30,7 @@ from .batch_pieces import SplitFn, check_split_fn
 from .core import AccumulationStats
 from .core.settings import SETTINGS, AccumulationSettings, with_setting_docs
 from .core.versions import LIGHTNING_FLOOR, require
-from .counters import check_item_count_fn
+from .counters import check_budget_count_fn, check_item_count_fn
 from .fit_accumulator import SavedState
 from .k_policies import AutoSettings, KPolicy, make_policy
 from .layouts import layout_of
@@ -118,6 +118,9 @@ class GradientAccumulationLogic(_LogicBase):
         item_count_fn: ``batch -> number | Tensor``: items in a micro-batch for ``"weighted"`` (default: the
             batch size, when every tensor of the batch agrees on it). Any finite number >= 0; a device tensor
             is fine (no sync). A micro-batch with 0 items weighs nothing.
+        budget_count_fn: ``batch -> number | Tensor``: what ``items_per_step`` counts, where it differs from
+            what the micro-batches are weighted by (e.g. a step of 4096 tokens whose loss is a mean over
+            sequences, weighted by ``count_sequences``). Default: ``item_count_fn``'s count.
         log_stats: Log the statistics under ``grad_accum/`` at every optimizer step (respecting
             ``log_every_n_steps``) to the Trainer's loggers and ``trainer.callback_metrics`` (also without a
             logger: under ``ddp_spawn`` these reach the launching process).
@@ -180,6 +183,7 @@ class GradientAccumulationLogic(_LogicBase):
         items_per_step: int | str | None = None,
         scaling: Literal["mean", "sum", "weighted", "constant", "average", "dynamic"] = "mean",
         item_count_fn: ItemCountFn | None = None,
+        budget_count_fn: ItemCountFn | None = None,
         max_grad_norm: float | None = None,
         norm_type: float = 2.0,
         clip_scope: Literal["global", "parameter"] = "global",
@@ -213,12 +217,14 @@ class GradientAccumulationLogic(_LogicBase):
         self.settings = AccumulationSettings(**{name: given[name] for name in SETTINGS} | implied)
         self.piece_size = check_piece_size(piece_size)
         weighted, pieces = self.settings.mode.weighted, self.piece_size is not None
+        budget_counts = policy.budget is not None and budget_count_fn is None  # `item_count_fn` counts it
         check_item_count_fn(
-            item_count_fn, weighted=weighted, scaling=scaling, pieces=pieces, budget=policy.budget is not None
+            item_count_fn, weighted=weighted, scaling=scaling, pieces=pieces, budget=budget_counts
         )
         if not isinstance(log_stats, bool):
             raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
-        self.item_count_fn, self.log_stats = item_count_fn, log_stats
+        check_budget_count_fn(budget_count_fn, budget=policy.budget is not None)
+        self.item_count_fn, self.budget_count_fn, self.log_stats = item_count_fn, budget_count_fn, log_stats
         self.split_fn = check_split_fn(split_fn)
         if not isinstance(oom_snapshot, bool):
             raise TypeError(f"Expected argument `oom_snapshot` to be a bool, but got {oom_snapshot!r}.")
@@ -310,7 +316,8 @@ class GradientAccumulationLogic(_LogicBase):
 
         See the module-level :func:`estimated_stepping_batches`, which finds the callback for you.
         """
-        return self.plan.stepping_batches(trainer, counts_samples=self.item_count_fn is None, most=most)
+        counter = self.item_count_fn if self.budget_count_fn is None else self.budget_count_fn
+        return self.plan.stepping_batches(trainer, counts_samples=counter is None, most=most)
 
     # ------------------------------------------------------------------------------------- set-up
 
@@ -386,6 +393,7 @@ class GradientAccumulationLogic(_LogicBase):
             previous=self._driver,  # the last fit's: its counters go on where no checkpoint is loaded
             sharded_reduction=self.sharded_reduction,
             item_count_fn=self.item_count_fn,
+            budget_count_fn=self.budget_count_fn,
             in_backward=self._accumulate_in_backward,
         )
         window.train_start()  # the reduction and the driver: what decides the other parts

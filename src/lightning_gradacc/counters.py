@@ -154,6 +154,31 @@ def check_item_count_fn(
         )
 
 
+def check_budget_count_fn(budget_count_fn: Any, *, budget: bool) -> None:
+    """Refuse a ``budget_count_fn`` that is not callable, or one given without an item budget.
+
+    Example:
+        >>> check_budget_count_fn(None, budget=False)
+        >>> check_budget_count_fn(len, budget=False)
+        Traceback (most recent call last):
+        ...
+        ValueError: Argument `budget_count_fn` counts what `items_per_step` closes windows on, but ...
+    """
+    if budget_count_fn is None:
+        return
+    if not callable(budget_count_fn):
+        raise TypeError(
+            "Expected argument `budget_count_fn` to be callable (batch -> number), but got"
+            f" {budget_count_fn!r}."
+        )
+    if not budget:
+        raise ValueError(
+            "Argument `budget_count_fn` counts what `items_per_step` closes windows on, but `items_per_step`"
+            " is not set. Set `items_per_step` or remove `budget_count_fn` (`item_count_fn` counts what the"
+            " micro-batches are weighted by)."
+        )
+
+
 class MicroBatchCount(NamedTuple):
     """A micro-batch's item count as the callback takes it (:func:`count_micro_batch`)."""
 

@@ -499,9 +499,11 @@ class WindowPlan:
         position, policy = self.position, self._policy
         position.steps += 1
         self._items_before, self._closed_unstepped = position.items, True  # this window's step's index
-        position.window_items = 0.0
+        budget_items, position.window_items = position.window_items, 0.0
         if self._counts_items:
-            window_items = accumulator.statistic("items_last_step")
+            # an item budget's windows consumed what it counted (its own counter's items, over the ranks)
+            budgets = policy.budget is not None
+            window_items = budget_items if budgets else accumulator.statistic("items_last_step")
             position.items += window_items
             if not self._budget_checked:
                 self._check_schedule_budget(window_items, position.batches_in_window)

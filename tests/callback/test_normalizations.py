@@ -89,6 +89,34 @@ def test_an_item_budget_closes_each_window_as_its_big_batch(
     assert cases.difference(module.net, cases.big_batch(data, windows, normalization)) < 1e-6
 
 
+@pytest.mark.parametrize("micro_batch", [1, 2])
+def test_a_token_budget_steps_the_big_batch_of_sequence_means(micro_batch: int) -> None:
+    """``budget_count_fn``: steps of about 30 tokens, each the mean over its sequences (an RL recipe)."""
+    data = cases.make_sequences(ROWS, packed=True)
+    module = cases.SequenceModule(data, "sequence_mean", micro_batch)
+    settings = {**cases.settings("sequence_mean"), "items_per_step": 30, "budget_count_fn": count_tokens}
+    callback = GradientAccumulationCallback(**settings)
+    trainer = h.fit(module, callback, max_epochs=2)
+    windows = cases.budget_windows(data, micro_batch, "sequence_mean", 30, epochs=2, counts="tokens")
+    assert trainer.global_step == len(windows)
+    assert cases.difference(module.net, cases.big_batch(data, windows, "sequence_mean")) < 1e-6
+    assert callback.items_consumed == 2 * int((data.labels != cases.IGNORE).sum())  # tokens, not sequences
+    # the control: the budget counted in sequences (the weights' count) closes other windows
+    in_sequences = cases.budget_windows(data, micro_batch, "sequence_mean", 30, epochs=2, counts="sequences")
+    assert cases.difference(module.net, cases.big_batch(data, in_sequences, "sequence_mean")) > 1e-3
+
+
+def test_a_budget_counter_without_a_budget_or_beside_an_unused_item_counter_is_refused() -> None:
+    with pytest.raises(ValueError, match="`budget_count_fn` counts what `items_per_step` closes"):
+        GradientAccumulationCallback(4, budget_count_fn=count_tokens)
+    with pytest.raises(TypeError, match="`budget_count_fn` to be callable"):
+        GradientAccumulationCallback(items_per_step=10, budget_count_fn=10)
+    with pytest.raises(ValueError, match="`item_count_fn` is only used with"):  # it would count nothing
+        GradientAccumulationCallback(
+            items_per_step=10, scaling="constant", item_count_fn=count_tokens, budget_count_fn=count_tokens
+        )
+
+
 @pytest.mark.parametrize("at", [1, 2, 5, 13])  # inside windows of epoch 1, and one in epoch 2
 def test_a_resume_inside_a_budget_window_goes_on_exactly(tmp_path: Path, at: int) -> None:
     data = cases.make_sequences(ROWS, packed=True)
@@ -181,7 +209,7 @@ def test_an_item_budget_refuses_a_negative_count_and_hands_callbacks_the_loss_as
             pass
 
     callback = GradientAccumulationCallback(items_per_step=10, scaling="constant", item_count_fn=lambda b: -1)
-    with pytest.raises(ValueError, match="item count over the ranks is nan"):
+    with pytest.raises(ValueError, match="item count of batch 0 over the ranks is nan"):
         h.fit(Negative(data, "constant", 2), callback)
 
     seen: list[tuple[float, float]] = []

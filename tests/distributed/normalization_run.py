@@ -16,6 +16,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_gradacc import GradientAccumulationCallback
+from lightning_gradacc.counters import count_tokens
 from tests import normalization_cases as cases
 from tests.helpers import exit_together
 
@@ -37,6 +38,9 @@ def scenarios() -> dict[str, tuple[str, bool, int, dict[str, Any]]]:
                 name = f"budget-{normalization}-{'packed' if packed else 'padded'}-{micro_batch}"
                 budget = cases.budget_settings(normalization, cases.BUDGETS[normalization])
                 found[name] = (normalization, packed, micro_batch, budget)
+    # a token budget for sequence means (`budget_count_fn`): the windows of both ranks' tokens
+    by_tokens = {**cases.settings("sequence_mean"), "items_per_step": 30, "budget_count_fn": count_tokens}
+    found["budget-tokens-sequence_mean-packed-2"] = ("sequence_mean", True, 2, by_tokens)
     found["constant-as-sum"] = ("constant", True, 2, {"scaling": "sum"})  # the negative control
     found["world_size-bug"] = ("token_mean", True, 2, cases.settings("token_mean"))
     return found

@@ -49,10 +49,11 @@ def test_two_ranks_step_the_big_batch(trained: Path, name: str) -> None:
 @pytest.mark.parametrize("name", BUDGET)
 def test_two_ranks_agree_on_every_budget_window_and_step_its_big_batch(trained: Path, name: str) -> None:
     """Each window closes where the items of both ranks' micro-batches reach the budget (2 epochs)."""
-    normalization, packed, micro_batch, _ = run.scenarios()[name]
+    normalization, packed, micro_batch, settings = run.scenarios()[name]
     data = cases.make_sequences(run.ROWS, packed=packed)
-    budget = cases.BUDGETS[normalization]
-    windows = cases.budget_windows(data, 2 * micro_batch, normalization, budget, epochs=2)
+    counts = "tokens" if "budget_count_fn" in settings else None  # else what the weights count
+    budget = settings["items_per_step"]
+    windows = cases.budget_windows(data, 2 * micro_batch, normalization, budget, epochs=2, counts=counts)
     state, steps = torch.load(trained / f"{name}.pt")
     assert steps == len(windows)
     net = cases.net()

@@ -42,6 +42,7 @@ class WindowPart(FitPart):
         previous: The last fit's driver (its counters go on where no checkpoint is loaded).
         sharded_reduction: The callback's ``sharded_reduction``.
         item_count_fn: The item counter, or ``None``.
+        budget_count_fn: What an item budget counts, where it is not ``item_count_fn``'s count; or ``None``.
         in_backward: Whether buffers may take each gradient inside the backward.
     """
 
@@ -65,6 +66,7 @@ class WindowPart(FitPart):
         sharded_reduction: str,
         item_count_fn: Callable[[Any], Any] | None,
         in_backward: bool,
+        budget_count_fn: Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__(fit)
         self.plan, self.settings, self.saved_state, self.previous = plan, settings, saved, previous
@@ -73,6 +75,7 @@ class WindowPart(FitPart):
             item_count_fn,
             in_backward,
         )
+        self.budget_count_fn = budget_count_fn
         self.groups = ParameterGroups()  # the optimizers' parameter groups the driver tracks
         self.asks_last = False  # whether a backward must know that it ends the window
         self.closes_on_items = False  # an item budget closes the windows (read per batch: no call)
@@ -153,14 +156,14 @@ class WindowPart(FitPart):
     def batch_start(self, batch: Any, batch_idx: int) -> None:
         """The window this batch is in (a new one where Lightning zeroes), and the batch's item count."""
         fit, driver, trainer = self.fit, self.driver, self.fit.trainer
-        fit.batch = current = Batch()
+        fit.batch = Batch()
         self._count(batch, batch_idx)
         empty = driver.window.empty
         if empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the window measures
             self.groups.follow(trainer, fit.pl_module, driver)  # the new set from its start
         self.plan.batch_start(trainer)  # a window opening here gets its K
         if self.closes_on_items:  # where this batch's items reach the budget, the window ends here
-            self.plan.take_items(trainer, self._items_over_ranks(current.items, current.error))
+            self.plan.take_items(trainer, self._budget_items(batch, batch_idx))
         lightning_zeroes = self.plan.lightning_zeroes(trainer, batch_idx)
         if not internals.backward_skipped(trainer):
             if not empty and lightning_zeroes:
@@ -185,19 +188,26 @@ class WindowPart(FitPart):
             once.add("counts")
             fit.warn(counted.warning)
 
-    def _items_over_ranks(self, items: Any, error: str | None) -> float:
-        """The running batch's items summed over the ranks: one scalar all-reduce (none on one process).
+    def _budget_items(self, batch: Any, batch_idx: int) -> float:
+        """The running batch's items as an item budget counts them, summed over the ranks.
 
-        Every rank decides where an item budget's window ends from the same number. A count that is not a
-        number >= 0 (on any rank: it reaches every rank as a nan) raises on every rank together.
+        ``budget_count_fn``'s count where one is given, else the batch's item count (``item_count_fn``'s, or
+        the batch size). One scalar all-reduce (none on one process): every rank decides where the window
+        ends from the same number. A count that is not a number >= 0 (on any rank: it reaches every rank
+        as a nan) raises on every rank together.
         """
+        current, counter = self.fit.batch, "item_count_fn"
+        items, error = current.items, current.error
+        if self.budget_count_fn is not None:
+            items, error, counter = self.budget_count_fn(batch), None, "budget_count_fn"
         local = _finite_count(None if error is not None else items)  # a bad count: nan, summed as one
         total = summed_over_ranks(local, self.fit.pl_module.device)
         if not (math.isfinite(total) and total >= 0):
+            why = error or "a count that is not a finite number >= 0, on some rank"
             raise ValueError(
-                f"`items_per_step` closes each window on its items, but a micro-batch's item count over the"
-                f" ranks is {total} ({error or 'a count that is not a finite number >= 0, on some rank'})."
-                " Count every batch with `item_count_fn` (batch -> number of items)."
+                f"`items_per_step` closes each window on its items, but the item count of batch {batch_idx}"
+                f" over the ranks is {total} ({why}). Count every batch with `{counter}` (batch -> number of"
+                " items)."
             )
         return total
 
