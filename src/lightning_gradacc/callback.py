@@ -111,10 +111,11 @@ class GradientAccumulationLogic(_LogicBase):
             ``trainer.estimated_stepping_batches`` is exact); or a size per stage ``{threshold: items}``
             keyed by ``schedule_unit="steps"`` or ``"items"``. Exclusive with ``accumulation_steps``.
         items_per_step: An item budget (``4096``, ``"1M"``): each window closes at the first micro-batch at
-            which its items over all ranks (``item_count_fn``'s, e.g. tokens; else the batch size) reach it,
-            and an epoch's end closes the last one. The steps follow the data: ``estimated_stepping_batches``
-            counts them only where items are samples of fixed-size batches (``most=True``: a bound). One
-            scalar all-reduce per micro-batch under DDP/FSDP. Exclusive with the other ways to set K.
+            which its items over all ranks (``budget_count_fn``'s or ``item_count_fn``'s, e.g. tokens; else
+            the batch size) reach it, and an epoch's end closes the last one. The steps follow the data:
+            ``estimated_stepping_batches`` counts them only where items are samples of fixed-size batches
+            (``most=True``: a bound). One scalar all-reduce per micro-batch under DDP/FSDP. Exclusive with
+            the other ways to set K.
         item_count_fn: ``batch -> number | Tensor``: items in a micro-batch for ``"weighted"`` (default: the
             batch size, when every tensor of the batch agrees on it). Any finite number >= 0; a device tensor
             is fine (no sync). A micro-batch with 0 items weighs nothing.

@@ -376,8 +376,9 @@ UNBOUNDED_K = 2**31 - 1
 class ItemBudget(KPolicy):
     """Each window closes at the first micro-batch at which its items over all ranks reach ``items``.
 
-    Items are what the callback counts (``item_count_fn``: tokens; else the batch size). Every window is still
-    one big batch of its own micro-batches; the number of micro-batches, and of steps, follows the data.
+    Items are what the callback counts for it (``budget_count_fn``, else ``item_count_fn``: tokens; else the
+    batch size). Every window is still one big batch of its own micro-batches; the number of micro-batches,
+    and of steps, follows the data.
 
     Example:
         >>> policy = ItemBudget("4k").for_fit(1)
