@@ -220,11 +220,17 @@ class GradientAccumulationLogic(_LogicBase):
         weighted, pieces = self.settings.mode.weighted, self.piece_size is not None
         budget_counts = policy.budget is not None and budget_count_fn is None  # `item_count_fn` counts it
         check_item_count_fn(
-            item_count_fn, weighted=weighted, scaling=scaling, pieces=pieces, budget=budget_counts
+            item_count_fn,
+            weighted=weighted,
+            scaling=scaling,
+            pieces=pieces,
+            budget=budget_counts,
+            budget_counter=budget_count_fn is not None,
         )
         if not isinstance(log_stats, bool):
             raise TypeError(f"Expected argument `log_stats` to be a bool, but got {log_stats!r}.")
         check_budget_count_fn(budget_count_fn, budget=policy.budget is not None)
+        self.plan.budget_counted_apart = budget_count_fn is not None
         self.item_count_fn, self.budget_count_fn, self.log_stats = item_count_fn, budget_count_fn, log_stats
         self.split_fn = check_split_fn(split_fn)
         if not isinstance(oom_snapshot, bool):

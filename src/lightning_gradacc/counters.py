@@ -126,7 +126,13 @@ def first_tensor_length(batch: Any) -> int | None:
 
 
 def check_item_count_fn(
-    item_count_fn: Any, *, weighted: bool, scaling: str, pieces: bool = False, budget: bool = False
+    item_count_fn: Any,
+    *,
+    weighted: bool,
+    scaling: str,
+    pieces: bool = False,
+    budget: bool = False,
+    budget_counter: bool = False,
 ) -> None:
     """Refuse an ``item_count_fn`` that is not callable, or one that counts for nothing.
 
@@ -138,13 +144,20 @@ def check_item_count_fn(
         weighted: Whether the scaling is ``"weighted"`` (aliases resolved).
         scaling: The ``scaling`` argument as given, for the message.
         pieces: Whether batches may run in pieces (``piece_size``).
-        budget: Whether an item budget closes the windows (``items_per_step``).
+        budget: Whether an item budget closes the windows on this counter's items (``items_per_step``).
+        budget_counter: Whether ``budget_count_fn`` counts the budget's items instead, for the message.
     """
     if item_count_fn is None:
         return
     if not callable(item_count_fn):
         raise TypeError(
             f"Expected argument `item_count_fn` to be callable (batch -> number), but got {item_count_fn!r}."
+        )
+    if not weighted and not pieces and not budget and budget_counter:
+        raise ValueError(
+            "Argument `item_count_fn` counts nothing here: `budget_count_fn` counts what `items_per_step`"
+            f" closes windows on, and scaling={scaling!r} weighs nothing by items. Remove `item_count_fn`,"
+            " or set `scaling='weighted'` to weigh the micro-batches by its count."
         )
     if not weighted and not pieces and not budget:
         raise ValueError(

@@ -162,6 +162,9 @@ class WindowPlan:
         # Lightning does not step at an epoch's end by itself (a strategy that accumulates): every window
         # is driven and ends where its batches do (set by the callback for the fit's layout)
         self.closes_epoch_tail = False
+        # an item budget counted by `budget_count_fn`: its windows consumed what it counted (every batch's
+        # items, taken at each batch start); else what the windows recorded, as for every policy
+        self.budget_counted_apart = False
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # ddp_spawn pickles the callbacks: a fit's objects stay behind
@@ -279,7 +282,8 @@ class WindowPlan:
         if policy.budget is not None and not counts_samples:
             if not most:
                 raise ValueError(
-                    f"`{policy.describe()}` closes each window on its items, counted by `item_count_fn`:"
+                    f"`{policy.describe()}` closes each window on its items as"
+                    " `item_count_fn` or `budget_count_fn` counts them:"
                     " its optimizer steps are not known before the data is read. Schedule the learning rate"
                     " over the items consumed (`lr_schedule=TokenSchedule(...)`), or size a step schedule"
                     " for the most steps this fit can take: `estimated_stepping_batches(trainer, most=True)`"
@@ -501,9 +505,8 @@ class WindowPlan:
         self._items_before, self._closed_unstepped = position.items, True  # this window's step's index
         budget_items, position.window_items = position.window_items, 0.0
         if self._counts_items:
-            # an item budget's windows consumed what it counted (its own counter's items, over the ranks)
-            budgets = policy.budget is not None
-            window_items = budget_items if budgets else accumulator.statistic("items_last_step")
+            apart = self.budget_counted_apart and policy.budget is not None
+            window_items = budget_items if apart else accumulator.statistic("items_last_step")
             position.items += window_items
             if not self._budget_checked:
                 self._check_schedule_budget(window_items, position.batches_in_window)

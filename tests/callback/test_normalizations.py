@@ -106,12 +106,23 @@ def test_a_token_budget_steps_the_big_batch_of_sequence_means(micro_batch: int) 
     assert cases.difference(module.net, cases.big_batch(data, in_sequences, "sequence_mean")) > 1e-3
 
 
+def test_the_steps_of_a_token_budget_over_samples_are_not_estimated_as_samples() -> None:
+    """Weighted by samples, closed on tokens: the steps follow the tokens, so only a bound is given."""
+    data = cases.make_sequences(ROWS, packed=False)
+    callback = GradientAccumulationCallback(items_per_step=30, budget_count_fn=count_tokens)
+    trainer = h.fit(cases.SequenceModule(data, "token_mean", 2), callback)
+    with pytest.raises(ValueError, match="`item_count_fn` or `budget_count_fn` counts them"):
+        estimated_stepping_batches(trainer)
+    assert estimated_stepping_batches(trainer, most=True) == ROWS // 2  # one step per micro-batch
+    assert trainer.global_step == len(cases.budget_windows(data, 2, "token_mean", 30))
+
+
 def test_a_budget_counter_without_a_budget_or_beside_an_unused_item_counter_is_refused() -> None:
     with pytest.raises(ValueError, match="`budget_count_fn` counts what `items_per_step` closes"):
         GradientAccumulationCallback(4, budget_count_fn=count_tokens)
     with pytest.raises(TypeError, match="`budget_count_fn` to be callable"):
         GradientAccumulationCallback(items_per_step=10, budget_count_fn=10)
-    with pytest.raises(ValueError, match="`item_count_fn` is only used with"):  # it would count nothing
+    with pytest.raises(ValueError, match="`item_count_fn` counts nothing here: `budget_count_fn` counts"):
         GradientAccumulationCallback(
             items_per_step=10, scaling="constant", item_count_fn=count_tokens, budget_count_fn=count_tokens
         )
