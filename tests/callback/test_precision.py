@@ -1,8 +1,8 @@
 """Low precision through ``Trainer.fit``: 16-mixed with a GradScaler, fp16 with huge item counts.
 
-16-mixed with wider buffers (unscaled, and the GradScaler still backs off), a GradScaler without a tensor
-scale refused, fp16 weights with huge item counts (the reference count follows the counts from window to
-window).
+16-mixed with wider buffers and on an item budget (unscaled, and the GradScaler still backs off), a
+GradScaler without a tensor scale refused, fp16 weights with huge item counts (the reference count follows
+the counts from window to window).
 """
 
 from __future__ import annotations
@@ -100,3 +100,24 @@ def test_weighted_reference_count_follows_the_counts_from_window_to_window() -> 
     # windows 1 and 2 hold equal counts: their weighted mean is the plain mean of their rows
     expected = h.big_batch_reference(start, data, BATCH, h.windows(10, 4), h.mse, lr=0.05, skip_windows=[0])
     assert h.max_abs_diff(module.net.float(), expected) < 2e-3
+
+
+def positive_targets(batch: Any) -> int:
+    return int((batch[1] > 0).sum())
+
+
+def test_16_mixed_on_an_item_budget_skips_the_overflowing_window_and_steps_the_others() -> None:
+    """A budget's windows (3, 3, 2 and 2 micro-batches) under a GradScaler, the second one non-finite."""
+    data = h.regression_data(40)
+    counts = [positive_targets(data[i : i + BATCH]) for i in range(0, 40, BATCH)]
+    assert counts == [2, 1, 2, 2, 1, 2, 3, 2, 3, 3]  # a budget of 5 closes after micro-batches 2, 5, 7 and 9
+    plugin = h.amp_plugin()
+    callback = GradientAccumulationCallback(items_per_step=5, budget_count_fn=positive_targets)
+    module = h.RegressionModule(data, nan_at=[5])
+    trainer = h.trainer(callbacks=[callback], plugins=[plugin])
+    trainer.fit(module)
+    assert trainer.global_step == 4
+    expected = reference([[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]], skip_windows=[1], fp16_autocast=True)
+    assert h.max_abs_diff(module.net, expected) < 2e-4  # fp16 rounding (4e-5); no loss correction: 0.14
+    assert (callback.stats.non_finite_windows, callback.stats.skipped_steps) == (1, 1)
+    assert plugin.scaler.get_scale() == 2.0**7  # the scaler saw the overflow once and backed off
