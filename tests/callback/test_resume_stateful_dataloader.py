@@ -8,6 +8,7 @@ the same micro-batches in the same order, the same parameters (measured: 0.0 dif
 
 Shuffling survives a resume when the sampler's random state is in the loader's state or is a function of
 the epoch; the two ways it does not are tested too (see ``test_orders_that_do_not_survive_a_resume``).
+Windows closed on an item budget resume the same way, their items so far restored with the shuffled order.
 """
 
 from __future__ import annotations
@@ -293,3 +294,36 @@ def test_a_crash_inside_a_batch_resumes_without_the_batch_it_had_fetched(tmp_pat
         h.regression_net(), h.regression_data(NUM_SAMPLES), BATCH, uninterrupted_windows, h.mse
     )
     assert h.max_abs_diff(resumed.net, whole) > 1e-2  # not the uninterrupted run
+
+
+def positive_targets(batch: list[Tensor]) -> int:
+    return int((batch[1] > 0).sum())
+
+
+def budget_fit(
+    make_loader: LoaderFactory, seed: int, *callbacks: pl.Callback, **fit_kwargs: Any
+) -> tuple[Module, GradientAccumulationCallback]:
+    """Windows closed on 5 positive targets (1 to 4 micro-batches, following the shuffled data)."""
+    pl.seed_everything(seed, verbose=False)
+    module = Module(make_loader)
+    callback = GradientAccumulationCallback(items_per_step=5, budget_count_fn=positive_targets)
+    h.trainer(callbacks=[callback, *callbacks], max_epochs=EPOCHS).fit(module, **fit_kwargs)
+    return module, callback
+
+
+@pytest.mark.parametrize("at", MID_WINDOW)
+def test_an_item_budget_with_a_shuffled_stateful_dataloader_resumes_mid_window_exactly(
+    tmp_path: Path, at: int
+) -> None:
+    """The budget's open window (its items so far) and the loader's order come back together."""
+    path = tmp_path / "mid_budget_window.ckpt"
+    whole, whole_callback = budget_fit(shuffled, 0)
+    with pytest.raises(Preempted):
+        budget_fit(shuffled, 0, SaveAndStop(at, path))
+    saved = torch.load(path, weights_only=False)
+    window = next(state for key, state in saved["callbacks"].items() if "GradientAccumulation" in key)
+    assert window["plan"]["window_items"] > 0  # saved inside a budget window
+    resumed, resumed_callback = budget_fit(shuffled, 1, ckpt_path=path)
+    assert resumed.seen == whole.seen[at + 1 :]
+    assert h.max_abs_diff(resumed.net, whole.net) <= 1e-6
+    assert resumed_callback.items_consumed == whole_callback.items_consumed
