@@ -200,8 +200,18 @@ def _mse_to_ones(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, torch.ones_like(out))
 
 
-def plain_swa(net: nn.Module, batchnorm: bool, num_batches=5, max_epochs=5, swa_epoch_start=2, swa_lr=0.1):
+def plain_swa(
+    net: nn.Module,
+    batchnorm: bool,
+    num_batches=5,
+    max_epochs=5,
+    swa_epoch_start=2,
+    swa_lr=0.1,
+    windows: list[list[int]] | None = None,
+):
     """Lightning's SWA schedule replayed in plain PyTorch, each window the mean over its micro-batches.
+
+    ``windows``: the micro-batches of each epoch's windows (by default K at a time).
 
     SWA starts at epoch ``swa_epoch_start - 1``: at the start of each epoch from there the current weights
     are averaged in and ``SWALR`` replaces ``StepLR``. After the last epoch the average is copied into the
@@ -226,8 +236,10 @@ def plain_swa(net: nn.Module, batchnorm: bool, num_batches=5, max_epochs=5, swa_
                 for p_avg, p in zip(average.parameters(), net.parameters(), strict=True):
                     p_avg.copy_(p if n_averaged == 0 else p_avg + (p - p_avg) / (n_averaged + 1))
             n_averaged += 1
-        for first in range(0, num_batches, K):
-            window = batches[first : first + K]
+        for indices in windows or [
+            list(range(first, min(first + K, num_batches))) for first in range(0, num_batches, K)
+        ]:
+            window = [batches[index] for index in indices]
             opt.zero_grad()
             for x in window:
                 (_mse_to_ones(net, x) / len(window)).backward()
@@ -276,6 +288,37 @@ def test_swa_matches_plain_loop(tmp_path, batchnorm: bool, accumulation_first: b
     expected = plain_swa(initial, batchnorm).state_dict()
     for name, value in model.layer.state_dict().items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=f"layer.{name} differs")
+
+
+def positive_first_features(batch: torch.Tensor) -> int:
+    return int((batch[:, 0] > 0).sum()) + 1  # 1, 1, 1, 3 and 2 in the 5 batches of each epoch
+
+
+# Not in Lightning: SWA over windows closed on an item budget (3, 1 and 1 micro-batches in each epoch), and
+# the BatchNorm epoch, which runs forwards only, under the budget. (The budget closes that epoch's windows
+# too, empty and without a step: Lightning's step count grows by 3 there, by 1 with a fixed K.)
+@pytest.mark.parametrize("batchnorm", [True, False])
+def test_swa_over_item_budget_windows_matches_plain_loop(tmp_path, batchnorm: bool):
+    torch.manual_seed(0)
+    model = SwaTestModel(batchnorm=batchnorm, data=DATA)
+    initial = copy.deepcopy(model.layer)
+    accumulation = GradientAccumulationCallback(items_per_step=3, budget_count_fn=positive_first_features)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_epochs=5,
+        limit_train_batches=5,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[StochasticWeightAveraging(swa_epoch_start=2, swa_lrs=0.1), accumulation],
+    )
+    trainer.fit(model)
+    expected = plain_swa(initial, batchnorm, windows=[[0, 1, 2], [3], [4]]).state_dict()
+    for name, value in model.layer.state_dict().items():  # running_var up to 241: 1.5e-5 is 1 ulp
+        torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-6, msg=f"layer.{name} differs")
 
 
 # Original: test_swa_multiple_lrs
