@@ -443,17 +443,19 @@ class WindowPlan:
             assert k is not None
             self._write(trainer, k, k)
 
-    def batch_start(self, trainer: pl.Trainer) -> bool:
+    def batch_start(self, trainer: pl.Trainer, forward_only: bool = False) -> bool:
         """A batch starts; returns whether it opens a window.
 
         A policy that changes K between windows chooses and writes the window's K here. A K per epoch was
         written when the epoch started and is not written again (another callback may drive Lightning for
         an epoch of its own: ``StochasticWeightAveraging``'s BatchNorm epoch is one window of every batch).
+        In a batch of forwards only (``forward_only``: that epoch's) no window is chosen or written either:
+        Lightning's K is the other callback's, and the window it steps is empty.
         """
         position, policy = self.position, self._policy
         opens = position.batches_in_window == 0
         self._closed_unstepped = self._closed_unstepped and not opens  # a window skipped took no step
-        if opens and (policy.per_window or self.closes_epoch_tail):  # `_drives_windows`, without a call
+        if opens and not forward_only and (policy.per_window or self.closes_epoch_tail):  # `_drives_windows`
             self.open_window(internals.batches_ready(trainer), trainer)
         position.batches_in_window += 1
         riders = policy.batch_started()  # e.g. the batch times of "auto"'s goodput rule

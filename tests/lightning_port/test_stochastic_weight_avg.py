@@ -295,8 +295,8 @@ def positive_first_features(batch: torch.Tensor) -> int:
 
 
 # Not in Lightning: SWA over windows closed on an item budget (3, 1 and 1 micro-batches in each epoch), and
-# the BatchNorm epoch, which runs forwards only, under the budget. (The budget closes that epoch's windows
-# too, empty and without a step: Lightning's step count grows by 3 there, by 1 with a fixed K.)
+# the BatchNorm epoch, which runs forwards only, under the budget: SWA drives Lightning there (one window of
+# the epoch, empty, closed without a step), and its forwards consume no items.
 @pytest.mark.parametrize("batchnorm", [True, False])
 def test_swa_over_item_budget_windows_matches_plain_loop(tmp_path, batchnorm: bool):
     torch.manual_seed(0)
@@ -316,6 +316,9 @@ def test_swa_over_item_budget_windows_matches_plain_loop(tmp_path, batchnorm: bo
         callbacks=[StochasticWeightAveraging(swa_epoch_start=2, swa_lrs=0.1), accumulation],
     )
     trainer.fit(model)
+    assert trainer.global_step == 5 * 3 + batchnorm  # as Lightning counts the BatchNorm epoch with a fixed K
+    assert accumulation.stats.empty_windows == batchnorm
+    assert accumulation.items_consumed == 5 * 8  # the BatchNorm epoch's batches were not trained on
     expected = plain_swa(initial, batchnorm, windows=[[0, 1, 2], [3], [4]]).state_dict()
     for name, value in model.layer.state_dict().items():  # running_var up to 241: 1.5e-5 is 1 ulp
         torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-6, msg=f"layer.{name} differs")

@@ -161,11 +161,13 @@ class WindowPart(FitPart):
         empty = driver.window.empty
         if empty:  # e.g. `BaseFinetuning` added a group in `on_train_epoch_start`: the window measures
             self.groups.follow(trainer, fit.pl_module, driver)  # the new set from its start
-        self.plan.batch_start(trainer)  # a window opening here gets its K
-        if self.closes_on_items:  # where this batch's items reach the budget, the window ends here
+        # forwards only (SWA's BatchNorm epoch): the other callback drives Lightning, and nothing is consumed
+        forward_only = internals.backward_skipped(trainer)
+        self.plan.batch_start(trainer, forward_only)  # a window opening here gets its K
+        if self.closes_on_items and not forward_only:  # where this batch's items reach the budget, it ends
             self.plan.take_items(trainer, self._budget_items(batch, batch_idx))
         lightning_zeroes = self.plan.lightning_zeroes(trainer, batch_idx)
-        if not internals.backward_skipped(trainer):
+        if not forward_only:
             if not empty and lightning_zeroes:
                 fit.discard(f"Lightning starts a new window at batch {batch_idx}")
                 self.plan.batch_start(trainer)  # which this batch opens
