@@ -110,11 +110,14 @@ class CausalLMModule(pl.LightningModule):
 
 
 @functools.cache
-def big_batch_reference(ignore_index: int = IGNORE_INDEX) -> GPT2LMHeadModel:
+def big_batch_reference(
+    ignore_index: int = IGNORE_INDEX, windows: tuple[tuple[int, ...], ...] | None = None
+) -> GPT2LMHeadModel:
+    """Per window (K micro-batches by default, else ``windows``), HF's loss of its rows, one SGD step."""
     model = tiny_gpt2()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     data = sequences()
-    for window in h.windows(NUM_SEQUENCES // BATCH, K, epochs=EPOCHS):
+    for window in windows or h.windows(NUM_SEQUENCES // BATCH, K, epochs=EPOCHS):
         rows = [data[b * BATCH + i] for b in window for i in range(BATCH)]
         optimizer.zero_grad()
         hf_loss(model, collate(rows, ignore_index), ignore_index).backward()
@@ -154,6 +157,31 @@ def test_counting_predicted_tokens_equals_the_big_batch(counter: Callable[[Any],
     data = sequences()
     last_window = data[8 * BATCH :]  # micro-batches 8 and 9
     assert callback.stats.items_last_step == sum(len(ids) - 1 for ids in last_window)
+
+
+def test_a_budget_of_predicted_tokens_steps_the_big_batch_of_each_window() -> None:
+    """Steps of at least 24 predicted tokens: windows of 2, 3, 2, 2 and 1 micro-batches (the epoch's tail)."""
+    data = sequences()
+    counts = [count_predicted_tokens(collate(data[b * BATCH : (b + 1) * BATCH])) for b in range(10)]
+    assert [int(count) for count in counts] == [19, 6, 13, 6, 16, 15, 9, 16, 17, 22]
+    module = CausalLMModule()
+    callback = GradientAccumulationCallback(
+        items_per_step=24, scaling="weighted", item_count_fn=count_predicted_tokens
+    )
+    trainer = h.trainer(callbacks=[callback], max_epochs=EPOCHS)
+    trainer.fit(module)
+    windows = ((0, 1), (2, 3, 4), (5, 6), (7, 8), (9,))
+    assert trainer.global_step == len(windows) * EPOCHS
+    expected = big_batch_reference(windows=windows * EPOCHS)
+    assert h.max_abs_diff(module.model, expected) <= TOLERANCE  # measured: 1.2e-7
+    assert callback.items_consumed == sum(counts) * EPOCHS
+    # the control: K=3 windows of the same micro-batches are other big batches (1.0e-1 off)
+    assert (
+        h.max_abs_diff(
+            module.model, big_batch_reference(windows=((0, 1, 2), (3, 4, 5), (6, 7, 8), (9,)) * EPOCHS)
+        )
+        > 1e-3
+    )
 
 
 def test_each_sequence_as_its_own_piece_equals_the_big_batch() -> None:
