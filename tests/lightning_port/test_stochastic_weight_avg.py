@@ -294,15 +294,26 @@ def positive_first_features(batch: torch.Tensor) -> int:
     return int((batch[:, 0] > 0).sum()) + 1  # 1, 1, 1, 3 and 2 in the 5 batches of each epoch
 
 
-# Not in Lightning: SWA over windows closed on an item budget (3, 1 and 1 micro-batches in each epoch), and
-# the BatchNorm epoch, which runs forwards only, under the budget: SWA drives Lightning there (one window of
-# the epoch, empty, closed without a step), and its forwards consume no items.
+# Not in Lightning: SWA over windows that K policies choose one by one: closed on an item budget (3, 1 and 1
+# micro-batches in each epoch), and a K keyed by steps ({0: 2}: 2, 2 and 1). In the BatchNorm epoch, which
+# runs forwards only, SWA drives Lightning (one window of the epoch, empty, closed without a step), and its
+# forwards consume no items.
+@pytest.mark.parametrize(
+    ("policy", "windows", "steps", "items"),
+    [
+        ({"items_per_step": 3, "budget_count_fn": positive_first_features}, [[0, 1, 2], [3], [4]], 3, 8),
+        ({"accumulation_steps": {0: 2}, "schedule_unit": "steps"}, [[0, 1], [2, 3], [4]], 3, None),
+    ],
+    ids=["budget", "keyed_by_steps"],
+)
 @pytest.mark.parametrize("batchnorm", [True, False])
-def test_swa_over_item_budget_windows_matches_plain_loop(tmp_path, batchnorm: bool):
+def test_swa_over_windows_chosen_one_by_one_matches_plain_loop(
+    tmp_path, batchnorm: bool, policy: dict, windows: list[list[int]], steps: int, items: int | None
+):
     torch.manual_seed(0)
     model = SwaTestModel(batchnorm=batchnorm, data=DATA)
     initial = copy.deepcopy(model.layer)
-    accumulation = GradientAccumulationCallback(items_per_step=3, budget_count_fn=positive_first_features)
+    accumulation = GradientAccumulationCallback(**policy)
     trainer = Trainer(
         default_root_dir=tmp_path,
         accelerator="cpu",
@@ -316,10 +327,11 @@ def test_swa_over_item_budget_windows_matches_plain_loop(tmp_path, batchnorm: bo
         callbacks=[StochasticWeightAveraging(swa_epoch_start=2, swa_lrs=0.1), accumulation],
     )
     trainer.fit(model)
-    assert trainer.global_step == 5 * 3 + batchnorm  # as Lightning counts the BatchNorm epoch with a fixed K
+    assert trainer.global_step == 5 * steps + batchnorm  # as Lightning counts the BatchNorm epoch
     assert accumulation.stats.empty_windows == batchnorm
-    assert accumulation.items_consumed == 5 * 8  # the BatchNorm epoch's batches were not trained on
-    expected = plain_swa(initial, batchnorm, windows=[[0, 1, 2], [3], [4]]).state_dict()
+    if items is not None:  # the BatchNorm epoch's batches were not trained on
+        assert accumulation.items_consumed == 5 * items
+    expected = plain_swa(initial, batchnorm, windows=windows).state_dict()
     for name, value in model.layer.state_dict().items():  # running_var up to 241: 1.5e-5 is 1 ulp
         torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-6, msg=f"layer.{name} differs")
 
