@@ -98,6 +98,11 @@ def regression_data(num_samples: int = 40, features: int = 5, seed: int = 0) -> 
     return TensorDataset(x, y)
 
 
+def positive_targets(batch: Sequence[Tensor]) -> int:
+    """The samples of a regression batch with a positive target: an item count that varies by batch."""
+    return int((batch[1] > 0).sum())
+
+
 def regression_net(features: int = 5, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(features, 8), nn.Tanh(), nn.Linear(8, 1))

@@ -102,17 +102,13 @@ def test_weighted_reference_count_follows_the_counts_from_window_to_window() -> 
     assert h.max_abs_diff(module.net.float(), expected) < 2e-3
 
 
-def positive_targets(batch: Any) -> int:
-    return int((batch[1] > 0).sum())
-
-
 def test_16_mixed_on_an_item_budget_skips_the_overflowing_window_and_steps_the_others() -> None:
     """A budget's windows (3, 3, 2 and 2 micro-batches) under a GradScaler, the second one non-finite."""
     data = h.regression_data(40)
-    counts = [positive_targets(data[i : i + BATCH]) for i in range(0, 40, BATCH)]
+    counts = [h.positive_targets(data[i : i + BATCH]) for i in range(0, 40, BATCH)]
     assert counts == [2, 1, 2, 2, 1, 2, 3, 2, 3, 3]  # a budget of 5 closes after micro-batches 2, 5, 7 and 9
     plugin = h.amp_plugin()
-    callback = GradientAccumulationCallback(items_per_step=5, budget_count_fn=positive_targets)
+    callback = GradientAccumulationCallback(items_per_step=5, budget_count_fn=h.positive_targets)
     module = h.RegressionModule(data, nan_at=[5])
     trainer = h.trainer(callbacks=[callback], plugins=[plugin])
     trainer.fit(module)

@@ -296,17 +296,13 @@ def test_a_crash_inside_a_batch_resumes_without_the_batch_it_had_fetched(tmp_pat
     assert h.max_abs_diff(resumed.net, whole) > 1e-2  # not the uninterrupted run
 
 
-def positive_targets(batch: list[Tensor]) -> int:
-    return int((batch[1] > 0).sum())
-
-
 def budget_fit(
     make_loader: LoaderFactory, seed: int, *callbacks: pl.Callback, **fit_kwargs: Any
 ) -> tuple[Module, GradientAccumulationCallback]:
     """Windows closed on 5 positive targets (1 to 4 micro-batches, following the shuffled data)."""
     pl.seed_everything(seed, verbose=False)
     module = Module(make_loader)
-    callback = GradientAccumulationCallback(items_per_step=5, budget_count_fn=positive_targets)
+    callback = GradientAccumulationCallback(items_per_step=5, budget_count_fn=h.positive_targets)
     h.trainer(callbacks=[callback, *callbacks], max_epochs=EPOCHS).fit(module, **fit_kwargs)
     return module, callback
 

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gradacc import GradientAccumulationCallback
 from tests.helpers import weights_only
+from tests.helpers import windows as k_windows
 
 K = 2
 
@@ -236,9 +237,7 @@ def plain_swa(
                 for p_avg, p in zip(average.parameters(), net.parameters(), strict=True):
                     p_avg.copy_(p if n_averaged == 0 else p_avg + (p - p_avg) / (n_averaged + 1))
             n_averaged += 1
-        for indices in windows or [
-            list(range(first, min(first + K, num_batches))) for first in range(0, num_batches, K)
-        ]:
+        for indices in windows or k_windows(num_batches, K):
             window = [batches[index] for index in indices]
             opt.zero_grad()
             for x in window:
@@ -261,6 +260,22 @@ def plain_swa(
     return net
 
 
+def oracle_trainer(tmp_path, callbacks: list[Callback]) -> Trainer:
+    """The fit ``plain_swa`` replays: 5 epochs of the 5 batches of ``DATA``, quiet, no validation."""
+    return Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_epochs=5,
+        limit_train_batches=5,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=callbacks,
+    )
+
+
 # Original: test_swa_callback (oracle added: the averaged weights and the BatchNorm statistics)
 # Lightning's built-in accumulation steps the optimizer once more on the last batch of the BatchNorm epoch,
 # with the stale gradient of the last training window, so its weights are no longer the SWA average. The
@@ -272,18 +287,7 @@ def test_swa_matches_plain_loop(tmp_path, batchnorm: bool, accumulation_first: b
     model = SwaTestModel(batchnorm=batchnorm, data=DATA)
     initial = copy.deepcopy(model.layer)
     swa = StochasticWeightAveraging(swa_epoch_start=2, swa_lrs=0.1)
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        max_epochs=5,
-        limit_train_batches=5,
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=_callbacks(swa, GradientAccumulationCallback(K), accumulation_first),
-    )
+    trainer = oracle_trainer(tmp_path, _callbacks(swa, GradientAccumulationCallback(K), accumulation_first))
     trainer.fit(model)
     expected = plain_swa(initial, batchnorm).state_dict()
     for name, value in model.layer.state_dict().items():
@@ -314,17 +318,8 @@ def test_swa_over_windows_chosen_one_by_one_matches_plain_loop(
     model = SwaTestModel(batchnorm=batchnorm, data=DATA)
     initial = copy.deepcopy(model.layer)
     accumulation = GradientAccumulationCallback(**policy)
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        max_epochs=5,
-        limit_train_batches=5,
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[StochasticWeightAveraging(swa_epoch_start=2, swa_lrs=0.1), accumulation],
+    trainer = oracle_trainer(
+        tmp_path, [StochasticWeightAveraging(swa_epoch_start=2, swa_lrs=0.1), accumulation]
     )
     trainer.fit(model)
     assert trainer.global_step == 5 * steps + batchnorm  # as Lightning counts the BatchNorm epoch
